@@ -1,0 +1,57 @@
+"""Shared fixtures: one tiny student/teacher pair per session, built locally (no model hub)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Paths of the tiny pair: `tiny / "student"`, `tiny / "teacher"`, `tiny / "train.jsonl"`, ..."""
+    from trl_opd.testing import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny / "student")
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny):
+    from datasets import load_dataset
+
+    return load_dataset("json", data_files=str(tiny / "train.jsonl"), split="train")
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """An OPDConfig sized for a CPU test: a few short completions per step, everything logged."""
+
+    def make(**overrides):
+        from trl_opd import OPDConfig
+
+        defaults = dict(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            num_generations=1,
+            max_completion_length=8,
+            learning_rate=1e-3,
+            max_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            bf16=False,
+            gradient_checkpointing=False,
+            seed=0,
+        )
+        return OPDConfig(**{**defaults, **overrides})
+
+    return make

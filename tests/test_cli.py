@@ -1,0 +1,59 @@
+"""The CLI end to end, in process: the smoke recipe trains and saves a LoRA adapter that reloads exactly."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_opd import cli
+
+SMOKE = str(Path(__file__).parents[1] / "recipes" / "smoke_cpu.yaml")
+
+
+def test_smoke_recipe_trains_and_saves_a_reloadable_adapter(tiny, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    output_dir = tmp_path / "smoke"
+    trainer = cli.train(*cli.make_parser().parse_args_and_config([
+        "--config", SMOKE,
+        "--model_name_or_path", str(tiny / "student"),
+        "--teacher_model_name_or_path", str(tiny / "teacher"),
+        "--dataset_name", str(tiny / "train.jsonl"),
+        "--output_dir", str(output_dir),
+        "--max_steps", "3", "--logging_steps", "1",
+    ]))
+
+    assert json.loads((output_dir / "adapter_config.json").read_text())["r"] == 32
+    assert (output_dir / "adapter_model.safetensors").exists()
+    assert not list(output_dir.glob("model*.safetensors"))  # the adapter, not merged weights, and no teacher
+    assert all("opd/reverse_kl" in entry for entry in trainer.state.log_history[:3])
+
+    base = AutoModelForCausalLM.from_pretrained(tiny / "student")
+    ids = torch.tensor([[1, 263, 264, 201, 272, 260, 291]])
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        reloaded_logits = PeftModel.from_pretrained(base, output_dir)(ids).logits
+        trained_logits = trainer.model.eval()(ids).logits
+    torch.testing.assert_close(reloaded_logits, trained_logits)
+    assert not torch.allclose(reloaded_logits, base_logits)  # the adapter learned something
+
+
+def test_missing_local_model_says_how_to_build_it(tmp_path):
+    argv = ["--config", SMOKE, "--model_name_or_path", "artifacts/nowhere/student", "--output_dir", str(tmp_path)]
+    with pytest.raises(FileNotFoundError, match="trl-opd make-tiny"):
+        cli.main(argv)
+
+
+def test_prompt_column_is_mapped_and_wrapped_as_a_chat_message(tmp_path):
+    data = tmp_path / "questions.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 plus 2?", "prompt": "stale"}) + "\n")
+    script_args = cli.OPDScriptArguments(
+        dataset_name=str(data), prompt_column="question", prompt_as_user_message=True, system_prompt="Be brief."
+    )
+    dataset = cli.load_prompts(script_args, "train")
+    assert dataset[0]["prompt"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 plus 2?"},
+    ]

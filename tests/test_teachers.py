@@ -1,0 +1,83 @@
+"""The local teacher scorer: exact per-token values, and no (batch, tokens, vocab) tensor."""
+
+import torch
+
+from trl_opd.teachers import LocalTeacher
+from trl_opd.teachers.local import freeze_teacher
+from trl_opd.testing import TensorMemoryMeter, build_model
+
+
+def _batch(tokenizer, vocab_size, *, seed=0, rows=3, prompt_len=6, completion_len=5):
+    """Left-padded prompts and right-padded completions of different lengths, like GRPO builds them."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, vocab_size, (rows, prompt_len), generator=g)
+    completion_ids = torch.randint(3, vocab_size, (rows, completion_len), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    completion_mask = torch.ones_like(completion_ids)
+    prompt_mask[0, :2] = 0  # row 0: a shorter prompt
+    completion_mask[1, 3:] = 0  # row 1: a shorter completion
+    prompt_ids[prompt_mask == 0] = tokenizer.pad_token_id
+    completion_ids[completion_mask == 0] = tokenizer.pad_token_id
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _naive_scores(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Full logits, log_softmax, gather: the reference the fused path must equal, row by row without padding."""
+    logps = torch.zeros(completion_ids.shape)
+    top1 = torch.zeros(completion_ids.shape, dtype=torch.bool)
+    entropy = torch.zeros(completion_ids.shape)
+    for i in range(prompt_ids.size(0)):
+        p = prompt_ids[i][prompt_mask[i].bool()]
+        c = completion_ids[i][completion_mask[i].bool()]
+        ids = torch.cat([p, c])[None]
+        with torch.no_grad():
+            log_probs = model(ids).logits.log_softmax(-1)[0, len(p) - 1 : -1]  # predicts c
+        logps[i, : len(c)] = log_probs.gather(-1, c[:, None])[:, 0]
+        top1[i, : len(c)] = log_probs.argmax(-1) == c
+        entropy[i, : len(c)] = -(log_probs.exp() * log_probs).sum(-1)
+    return logps, top1, entropy
+
+
+def test_local_teacher_matches_a_naive_unpadded_forward(tiny, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "teacher")
+    batch = _batch(tokenizer, len(tokenizer))
+    expected_logps, expected_top1, expected_entropy = _naive_scores(model, *batch)
+
+    scores = LocalTeacher(freeze_teacher(model), batch_size=2).score(*batch)
+    completion_mask = batch[3].bool()
+    assert scores.logps.shape == batch[2].shape
+    torch.testing.assert_close(scores.logps[completion_mask], expected_logps[completion_mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores.entropy[completion_mask], expected_entropy[completion_mask], atol=1e-5, rtol=1e-5)
+    assert torch.equal(scores.is_top1[completion_mask], expected_top1[completion_mask])
+    assert scores.logps[~completion_mask].abs().sum() == 0  # padding is never scored
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+
+
+def test_teacher_scoring_never_builds_batch_by_tokens_by_vocab(tokenizer):
+    """Peak tensor memory on a 262k-vocabulary teacher (Gemma-3 size), fused scoring against the naive log_softmax.
+
+    The fused head works in (tokens <= 4096, vocab <= 32768) tiles; its torch fallback on CPU keeps a few tiles alive,
+    so its peak is bounded by the tile, not by batch x tokens x vocab.
+    """
+    vocab_size = 262144
+    model = build_model(tokenizer, vocab_size=vocab_size, hidden_size=64, num_layers=1)
+    batch = _batch(tokenizer, len(tokenizer), rows=4, prompt_len=16, completion_len=112)
+    full_logits_bytes = 4 * 128 * vocab_size * 4  # (B, P+T, V) float32: 512 MiB
+
+    with TensorMemoryMeter() as naive, torch.no_grad():
+        input_ids, attention_mask = torch.cat(batch[0:3:2], 1), torch.cat(batch[1:4:2], 1)
+        log_probs = model(input_ids=input_ids, attention_mask=attention_mask).logits.log_softmax(-1)
+        naive_logps = log_probs[:, 15:-1].gather(-1, batch[2][..., None])[..., 0]
+        del log_probs
+
+    teacher = LocalTeacher(freeze_teacher(model), batch_size=4)
+    with TensorMemoryMeter() as fused:
+        scores = teacher.score(*batch)
+
+    mask = batch[3].bool()
+    torch.testing.assert_close(scores.logps[mask], naive_logps[mask], atol=1e-4, rtol=1e-4)
+    assert naive.largest >= full_logits_bytes  # the meter sees the naive path's logits
+    assert fused.largest < full_logits_bytes / 4
+    assert fused.peak < naive.peak / 3, f"fused peak {fused.peak / 2**20:.0f} MiB, naive {naive.peak / 2**20:.0f} MiB"

@@ -1,0 +1,159 @@
+"""OPDTrainer end to end on the tiny pair: the loss by hand, training runs, metrics, and the failures users hit."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_opd import OPDTrainer
+
+REQUIRED_METRICS = (
+    "opd/reverse_kl", "opd/reverse_kl_std", "opd/teacher_logp", "opd/student_logp", "opd/advantage_mean",
+    "opd/teacher_agreement", "opd/teacher_entropy",
+    "data/completion_tokens_total", "data/completion_tokens_mean", "data/completion_tokens_per_second",
+)
+
+
+def _trainer(tiny, prompts, config, teacher=None, **kwargs):
+    return OPDTrainer(
+        model=str(tiny / "student"),
+        teacher_model=str(tiny / "teacher") if teacher is None else teacher,
+        args=config,
+        train_dataset=prompts,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "objective, expected",
+    [
+        # A = [1, -1, 2], r = [1.5, 0.5, 1.0], epsilon 0.2. Clipped: -min(rA, clip(r)A) = [-1.2, 0.8, -2],
+        # mean over the 3 unmasked tokens = -0.8. Unclipped: -rA = [-1.5, 0.5, -2] -> -1.0.
+        ("clipped", -0.8),
+        ("importance_sampling", -1.0),
+    ],
+)
+def test_loss_equals_the_hand_computed_objective(tiny, prompts, make_config, objective, expected):
+    trainer = _trainer(tiny, prompts.select(range(4)), make_config(opd_objective=objective, loss_type="dapo"))
+    model = trainer.model
+    model.eval()  # no accumulation scaling: the loss is the plain token mean
+    prompt_ids = torch.tensor([[1, 263, 264, 201]])
+    completion_ids = torch.tensor([[272, 260, 291, 287]])
+    prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.tensor([[1, 1, 1, 0]])
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), 4
+        )
+    ratio = torch.tensor([[1.5, 0.5, 1.0, 10.0]])  # the last token is masked: its huge ratio and A must not count
+    inputs = {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids, "completion_mask": completion_mask,
+        "old_per_token_logps": logps - ratio.log(),
+        "advantages": torch.tensor([[1.0, -1.0, 2.0, 100.0]]),
+        "num_items_in_batch": torch.tensor(3.0),
+    }
+    loss = trainer.compute_loss(model, inputs)
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_short_run_trains_the_student_and_logs_every_opd_metric(tiny, prompts, make_config):
+    trainer = _trainer(tiny, prompts, make_config(max_steps=4, learning_rate=1e-2))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+    logs = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+    assert len(logs) == 4
+    for entry in logs:
+        assert set(REQUIRED_METRICS) <= set(entry)
+        assert math.isfinite(entry["opd/reverse_kl"]) and entry["opd/reverse_kl"] > 0
+        assert 0.0 <= entry["opd/teacher_agreement"] <= 1.0
+        assert not {"reward", "reward_std", "frac_reward_zero_std"} & set(entry)  # no fake reward in the logs
+    # the total counts every sampled token: it grows by each step's batch x mean length
+    assert logs[0]["data/completion_tokens_total"] == pytest.approx(4 * logs[0]["data/completion_tokens_mean"])
+    assert logs[-1]["data/completion_tokens_total"] > logs[0]["data/completion_tokens_total"]
+    assert logs[0]["data/completion_tokens_per_second"] > 0
+    # the teacher is frozen and not part of what gets saved
+    assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+
+
+def test_teacher_equal_to_student_gives_zero_kl_at_the_first_step(tiny, prompts, make_config):
+    trainer = _trainer(tiny, prompts, make_config(max_steps=1), teacher=str(tiny / "student"))
+    trainer.train()
+    first = next(entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry)
+    assert first["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert first["opd/reverse_kl_std"] == pytest.approx(0.0, abs=1e-3)
+    assert first["opd/advantage_mean"] == pytest.approx(0.0, abs=1e-5)
+    assert first["opd/teacher_logp"] == pytest.approx(first["opd/student_logp"], abs=1e-5)
+
+
+def test_teacher_is_scored_once_per_generation_batch(tiny, prompts, make_config):
+    # 2 optimizer steps x 2 accumulation micro-steps, one generation per 2 micro-steps: 2 generation batches of 8
+    config = make_config(max_steps=2, gradient_accumulation_steps=2, steps_per_generation=2, teacher_batch_size=8)
+    trainer = _trainer(tiny, prompts, config)
+    calls = []
+    trainer.teacher_model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    trainer.train()
+    assert calls == [8, 8]
+
+
+def test_non_finite_teacher_logps_stop_training_with_the_step(tiny, prompts, make_config):
+    trainer = _trainer(tiny, prompts, make_config(max_steps=2))
+    real_score = trainer.teacher.score
+
+    def poisoned(*args):  # fault injection: a teacher returning NaN on one sampled token
+        scores = real_score(*args)
+        scores.logps[0, 0] = math.nan
+        return scores
+
+    trainer.teacher.score = poisoned
+    with pytest.raises(FloatingPointError, match=r"Step 0: non-finite log-probs on sampled tokens \(teacher: 1"):
+        trainer.train()
+
+
+def test_num_generations_one_is_allowed_and_groups_still_work(make_config):
+    assert make_config(num_generations=1, per_device_train_batch_size=3).num_generations == 1
+    assert make_config(num_generations=4, per_device_train_batch_size=4).num_generations == 4
+    with pytest.raises(ValueError, match="divisible by num_generations"):
+        make_config(num_generations=4, per_device_train_batch_size=3)
+
+
+# ---------------------------------------------------------------------------------------------- errors at start-up
+
+
+def test_mismatched_tokenizer_fails_naming_both_models_and_the_token(tiny, prompts, make_config, tmp_path):
+    from trl_opd.testing import build_model, build_tokenizer
+
+    other = build_tokenizer(vocab_size=300)  # other merges: the same ids mean other strings
+    build_model(other).save_pretrained(tmp_path / "other")
+    other.save_pretrained(tmp_path / "other")
+    message = r"student \(.*student\) and teacher \(.*other\) tokenizers differ: token id \d+ is '.*' for the student"
+    with pytest.raises(ValueError, match=message):
+        _trainer(tiny, prompts, make_config(), teacher=str(tmp_path / "other"))
+
+
+def test_teacher_with_smaller_vocabulary_fails(tiny, tokenizer, prompts, make_config, tmp_path):
+    from trl_opd.testing import build_model
+
+    small = build_model(tokenizer, vocab_size=len(tokenizer) - 10)
+    small.save_pretrained(tmp_path / "small")
+    tokenizer.save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match=rf"outputs {len(tokenizer) - 10} logits .* can sample {len(tokenizer)}"):
+        _trainer(tiny, prompts, make_config(), teacher=str(tmp_path / "small"))
+
+
+def test_missing_prompt_column_and_empty_dataset_fail(tiny, make_config):
+    questions = Dataset.from_dict({"question": ["What is 1 plus 1?"]})
+    with pytest.raises(ValueError, match=r"no 'prompt' column \(columns: \['question'\]\).*prompt_column"):
+        _trainer(tiny, questions, make_config())
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        _trainer(tiny, Dataset.from_dict({"prompt": []}), make_config())
+
+
+def test_missing_teacher_fails(tiny, prompts, make_config):
+    with pytest.raises(ValueError, match="needs a teacher"):
+        OPDTrainer(model=str(tiny / "student"), args=make_config(), train_dataset=prompts)

@@ -1,0 +1,54 @@
+"""The private TRL pieces OPDTrainer relies on. A TRL upgrade that changes any of them fails here, loudly."""
+
+import inspect
+
+import trl
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
+
+
+def _params(function):
+    return list(inspect.signature(function).parameters)
+
+
+def test_trl_series():
+    assert trl.__version__.startswith("1.16."), "trl_opd is built against trl 1.16; re-check the hooks below first"
+
+
+def test_grpo_hooks_keep_their_signatures():
+    assert _params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
+    rewards_params = ["self", "inputs", "prompts", "completions", "completion_ids_list"]
+    assert _params(GRPOTrainer._calculate_rewards) == rewards_params
+    assert _params(GRPOTrainer._compute_loss) == ["self", "model", "inputs"]
+    assert _params(GRPOTrainer._get_per_token_logps_and_entropies)[:5] == [
+        "self", "model", "input_ids", "attention_mask", "logits_to_keep"
+    ]
+    assert "batch_size" in _params(GRPOTrainer._get_per_token_logps_and_entropies)
+    assert _params(GRPOTrainer.training_step) == ["self", "model", "inputs", "num_items_in_batch"]
+    assert _params(GRPOTrainer.log) == ["self", "logs", "start_time"]
+
+
+def test_grpo_loss_still_takes_per_token_advantages_and_our_clip_bounds():
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'advantages = inputs["advantages"]' in source and "advantages.dim() == 1" in source
+    assert "torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)" in source
+    assert 'inputs.get("old_per_token_logps")' in source
+
+
+def test_grpo_generation_output_and_state_we_read():
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for key in ('"prompt_ids"', '"prompt_mask"', '"completion_ids"', '"completion_mask"', '"advantages"'):
+        assert f"{key}:" in source
+    for metric in ("reward", "reward_std", "frac_reward_zero_std"):
+        assert f'self._metrics[mode]["{metric}"]' in source
+    assert 'self._logs["advantages"].extend(all_process_advantages.tolist())' in source
+    assert "No reward source provided" in inspect.getsource(GRPOTrainer.__init__)
+
+
+def test_grpo_config_group_size_check_is_a_plain_comparison():
+    assert "if self.num_generations < 2:" in inspect.getsource(GRPOConfig.__post_init__)
+
+
+def test_fused_lm_head_offers_what_the_teacher_scorer_uses():
+    assert {"temperature", "outputs"} <= set(_params(add_fused_lm_head))
+    assert {"log_probs", "entropy", "is_top1"} <= set(FusedCausalLMOutput.__dataclass_fields__)

@@ -1,0 +1,127 @@
+"""`trl-opd` / `python -m trl_opd`: parse a recipe -> build the trainer -> train -> save (and push).
+
+    trl-opd --config recipes/smoke_cpu.yaml [--max_steps 5 ...]        # train (also: trl-opd train --config ...)
+    accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/smoke_cpu.yaml
+    trl-opd make-tiny artifacts/tiny                                    # the local models the smoke recipe uses
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trl import ModelConfig, ScriptArguments, TrlParser
+
+from .config import OPDConfig
+
+_LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass
+class OPDScriptArguments(ScriptArguments):
+    """Dataset arguments of a recipe, beyond TRL's `dataset_name`, `dataset_config` and split names."""
+
+    prompt_column: str = field(
+        default="prompt",
+        metadata={"help": "Column holding the prompt, renamed to 'prompt' (e.g. 'question' for DeepMath-103K)."},
+    )
+    prompt_as_user_message: bool = field(
+        default=False,
+        metadata={
+            "help": "Wrap a text prompt as one user chat message, so the student's chat template is applied to it."
+        },
+    )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={"help": "A system message put before each chat prompt (with prompt_as_user_message)."},
+    )
+
+
+def make_parser() -> TrlParser:
+    return TrlParser((OPDScriptArguments, OPDConfig, ModelConfig), prog="trl-opd")
+
+
+def _require_local_path(path: str | None, what: str) -> None:
+    """A path-looking model name that does not exist is a missing build step, not a Hub id: say so now."""
+    if path and (path.startswith((".", "/")) or path.startswith("artifacts/")) and not Path(path).exists():
+        raise FileNotFoundError(
+            f"{what} {path!r} does not exist. For the CPU smoke recipe, build the tiny models first: "
+            "`trl-opd make-tiny artifacts/tiny`."
+        )
+
+
+def load_prompts(script_args: OPDScriptArguments, split: str):
+    """Load one split and bring it to the trainer's format: a 'prompt' column of text or chat messages."""
+    from datasets import load_dataset, load_from_disk
+
+    name = script_args.dataset_name
+    if name is None:
+        raise ValueError("The recipe sets no dataset_name (a Hub dataset id, a saved dataset directory or a file).")
+    suffix = Path(name).suffix
+    if suffix in _LOCAL_DATA_FORMATS:
+        _require_local_path(name if name.startswith((".", "/", "artifacts/")) else f"./{name}", "dataset_name")
+        dataset = load_dataset(_LOCAL_DATA_FORMATS[suffix], data_files={split: name}, split=split)
+    elif Path(name).is_dir() and (Path(name) / "dataset_dict.json").exists():
+        dataset = load_from_disk(name)[split]
+    else:
+        dataset = load_dataset(name, name=script_args.dataset_config, split=split,
+                               streaming=script_args.dataset_streaming)
+    if script_args.prompt_column != "prompt":
+        if "prompt" in (dataset.column_names or []):
+            dataset = dataset.remove_columns("prompt")
+        dataset = dataset.rename_column(script_args.prompt_column, "prompt")
+    if script_args.prompt_as_user_message:
+        system = [{"role": "system", "content": script_args.system_prompt}] if script_args.system_prompt else []
+        dataset = dataset.map(lambda row: {"prompt": [*system, {"role": "user", "content": row["prompt"]}]})
+    return dataset
+
+
+def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig):
+    """Build an OPDTrainer from parsed recipe arguments, train, save, and push if `push_to_hub` is set."""
+    from trl import get_peft_config
+
+    from .trainer import OPDTrainer
+
+    _require_local_path(model_args.model_name_or_path, "model_name_or_path")
+    _require_local_path(training_args.teacher_model_name_or_path, "teacher_model_name_or_path")
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
+    train_dataset = load_prompts(script_args, script_args.dataset_train_split)
+    eval_dataset = (
+        load_prompts(script_args, script_args.dataset_test_split) if training_args.eval_strategy != "no" else None
+    )
+    trainer = OPDTrainer(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Saved the trained {'adapter' if model_args.use_peft else 'model'} to "
+                              f"{training_args.output_dir}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["make-tiny"]:
+        from .testing import main as make_tiny_main
+
+        return make_tiny_main(argv[1:])
+    if argv[:1] == ["train"]:
+        argv = argv[1:]
+    script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
+    train(script_args, training_args, model_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""OPDConfig: GRPOConfig plus the on-policy distillation fields, nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+OPD_OBJECTIVES = ("clipped", "importance_sampling")
+# GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+class _UngroupedOne(int):
+    """The integer 1 that passes GRPO's `num_generations >= 2` check and nothing else.
+
+    GRPO normalises rewards within a group of completions per prompt and so rejects groups of one. OPD's advantage is
+    per token and needs no group. Every other check GRPO makes with `num_generations` (divisibility of the generation
+    and eval batches) is exactly right for 1, so only the comparison changes, for the duration of `__post_init__`.
+    """
+
+    def __lt__(self, other):
+        return False
+
+
+@dataclass
+class OPDConfig(GRPOConfig):
+    r"""
+    Configuration for [`OPDTrainer`]: every [`~trl.GRPOConfig`] field, plus the on-policy distillation ones below.
+
+    The advantage of sampled completion token `a_t` is `opd_coef * (log pi_T(a_t|s_t) - log pi_old(a_t|s_t))`,
+    optionally replaced by its discounted future sum (`kl_discount_factor`), and goes into GRPO's policy objective.
+    Unlike GRPO, `num_generations=1` is allowed: the teacher signal needs no group of completions per prompt.
+    """
+
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs"]
+
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Path or Hub id of the frozen teacher. Used when the trainer is not given a `teacher_model`. The "
+            "teacher must share the student's tokenizer (checked at start-up)."
+        },
+    )
+    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is loaded from a "
+            "path, e.g. `{\"dtype\": \"bfloat16\"}`."
+        },
+    )
+    opd_coef: float = field(
+        default=1.0,
+        metadata={
+            "help": "Scale of the teacher advantage, `A = opd_coef * (teacher_logp - student_old_logp)`: the beta or "
+            "KL penalty coefficient of the on-policy distillation references."
+        },
+    )
+    opd_objective: str = field(
+        default="clipped",
+        metadata={
+            "help": "Policy objective the teacher advantage feeds. 'clipped': GRPO's clipped surrogate "
+            "`max(-A r, -A clip(r, 1 - epsilon, 1 + epsilon_high))` for the configured `loss_type`. "
+            "'importance_sampling': the unclipped `-A r`. Both aggregate tokens as `loss_type` does.",
+            "choices": list(OPD_OBJECTIVES),
+        },
+    )
+    kl_discount_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "Discount gamma in [0, 1). If > 0, each token's advantage becomes the discounted sum of the "
+            "advantages from that token to the end of its completion. 0 (default) keeps the per-token advantage."
+        },
+    )
+    teacher_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Sequences per teacher forward when scoring a generation batch. Defaults to "
+            "`per_device_train_batch_size`."
+        },
+    )
+
+    def __post_init__(self):
+        if self.num_generations == 1:
+            self.num_generations = _UngroupedOne(1)
+        try:
+            super().__post_init__()
+        finally:
+            if isinstance(self.num_generations, _UngroupedOne):
+                self.num_generations = 1
+        if self.opd_objective not in OPD_OBJECTIVES:
+            raise ValueError(f"opd_objective must be one of {OPD_OBJECTIVES}, got {self.opd_objective!r}.")
+        if self.opd_objective == "importance_sampling" and self.loss_type not in CLIPPED_LOSS_TYPES:
+            raise ValueError(
+                f"opd_objective='importance_sampling' removes the clipping of a clipped objective, but loss_type="
+                f"{self.loss_type!r} has none. Use one of {CLIPPED_LOSS_TYPES}, or opd_objective='clipped'."
+            )
+        if not 0.0 <= self.kl_discount_factor < 1.0:
+            raise ValueError(f"kl_discount_factor must be in [0, 1), got {self.kl_discount_factor}.")
+        if self.teacher_batch_size is not None and self.teacher_batch_size < 1:
+            raise ValueError(f"teacher_batch_size must be a positive integer, got {self.teacher_batch_size}.")

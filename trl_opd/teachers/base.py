@@ -1,0 +1,32 @@
+"""The one interface every teacher source implements: per-token log-probs aligned to the student's completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class TeacherScores:
+    """The teacher's view of each sampled completion token, each (B, T) and aligned to `completion_ids`.
+
+    Positions where the completion mask is 0 hold 0 (or False) and must not be read.
+    """
+
+    logps: torch.Tensor  # log pi_T(a_t | s_t)
+    is_top1: torch.Tensor | None = None  # a_t is the teacher's argmax; None when the source cannot tell
+    entropy: torch.Tensor | None = None  # H(pi_T(. | s_t)); None when the source cannot compute it for free
+
+
+class TeacherScorer(Protocol):
+    """Scores the exact token ids the student sampled. Knows nothing of advantages or losses."""
+
+    def score(
+        self,
+        prompt_ids: torch.Tensor,  # (B, P), left-padded
+        prompt_mask: torch.Tensor,  # (B, P)
+        completion_ids: torch.Tensor,  # (B, T), right-padded
+        completion_mask: torch.Tensor,  # (B, T)
+    ) -> TeacherScores: ...

@@ -1,0 +1,67 @@
+"""A frozen teacher model in the training process, scored through TRL's fused LM head.
+
+The fused head projects hidden states onto the vocabulary in tiles and keeps only per-token statistics (log-prob of
+the label, entropy, whether the label is the argmax), so no (batch, tokens, vocab) logits tensor is ever built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
+
+from .base import TeacherScores
+
+TEACHER_OUTPUTS = ("log_probs", "entropy", "is_top1")
+
+
+def freeze_teacher(model: torch.nn.Module, *, temperature: float = 1.0) -> torch.nn.Module:
+    """Freeze `model` for scoring and give it the fused LM head. Call before DeepSpeed/FSDP/PEFT wrap it."""
+    model.requires_grad_(False)
+    model.eval()
+    disable_dropout_in_model(model)
+    add_fused_lm_head(model, temperature=temperature, outputs=TEACHER_OUTPUTS)
+    return model
+
+
+class LocalTeacher:
+    """Scores completions with a model prepared by `freeze_teacher` (possibly wrapped by DeepSpeed ZeRO-3)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        batch_size: int,
+        autocast: Callable[[], AbstractContextManager] = nullcontext,
+    ):
+        self.model = model
+        self.batch_size = batch_size
+        self.autocast = autocast
+
+    @torch.no_grad()
+    def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> TeacherScores:
+        num_completion = completion_ids.size(1)
+        if num_completion == 0:
+            empty = completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
+            return TeacherScores(logps=empty, is_top1=empty.bool(), entropy=empty)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+T)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (B, P+T)
+        # Only completion tokens are labels: prompt and padding are context or nothing
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-num_completion] = -100
+
+        logps, is_top1, entropy = [], [], []
+        # Every rank runs the same number of forwards (equal local batches), as ZeRO-3's collective forward needs
+        for start in range(0, input_ids.size(0), self.batch_size):
+            rows = slice(start, start + self.batch_size)
+            with self.autocast():
+                out = self.model(
+                    input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows],
+                    fused_lm_head=True,
+                )
+            logps.append(out.log_probs[:, -num_completion:].float())
+            is_top1.append(out.is_top1[:, -num_completion:])
+            entropy.append(out.entropy[:, -num_completion:].float())
+        return TeacherScores(logps=torch.cat(logps), is_top1=torch.cat(is_top1), entropy=torch.cat(entropy))

@@ -1,0 +1,214 @@
+"""Tiny student/teacher pairs and prompt sets built locally, for tests, the CPU smoke recipe and notebooks.
+
+No model hub is needed: a byte-level BPE tokenizer is trained on generated arithmetic text, and Qwen3-architecture
+models are initialised from configs with fixed seeds. The teacher is then trained for a few seconds on chat-formatted
+arithmetic answers for ten times as long as the student, so it is peaked and structured where the student is not: a
+real reverse KL to close.
+
+    python -m trl_opd.testing artifacts/tiny     # or: trl-opd make-tiny artifacts/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def arithmetic_prompt(rng: random.Random) -> tuple[str, str]:
+    """One question and its worked answer, e.g. ("What is 3 plus 4?", "3 plus 4 is 7. The answer is 7.")."""
+    a, b = rng.randint(0, 20), rng.randint(0, 20)
+    op, value = rng.choice([("plus", a + b), ("minus", a - b), ("times", a * b)])
+    return f"What is {a} {op} {b}?", f"{a} {op} {b} is {value}. The answer is {value}."
+
+
+def build_tokenizer(vocab_size: int = 512, seed: int = 0):
+    """A byte-level BPE tokenizer with a ChatML template, trained on generated arithmetic text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(3000):
+        question, answer = arithmetic_prompt(rng)
+        corpus.append(f"{question} {answer} " + " ".join(rng.sample(NUMBER_WORDS, 3)))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_model(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, vocab_size: int | None = None, seed: int = 0):
+    """A random Qwen3 causal LM over `tokenizer` (or a larger `vocab_size`, for memory tests)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size or len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,  # vLLM's CPU attention rejects head_dim 16
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def train_on_answers(model, tokenizer, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3, seed: int = 0):
+    """Plain next-token training on chat-formatted question/answer pairs (a few seconds for a tiny model)."""
+    import torch
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        texts = []
+        for _ in range(batch_size):
+            question, answer = arithmetic_prompt(rng)
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+        batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return loss.item()
+
+
+def write_prompts(path: Path, n: int, seed: int) -> None:
+    """A JSON-lines file of chat prompts ({"prompt": [{"role": "user", ...}], "answer": ...})."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            question, answer = arithmetic_prompt(rng)
+            f.write(json.dumps({"prompt": [{"role": "user", "content": question}], "answer": answer}) + "\n")
+
+
+def make_tiny(output_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Build `student/`, `teacher/`, `train.jsonl` and `heldout.jsonl` under `output_dir` (cached: skipped if there)."""
+    output_dir = Path(output_dir)
+    done = output_dir / "DONE"
+    if done.exists() and not overwrite:
+        return output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    # The student is "pretrained" briefly (so a LoRA adapter can move it), the teacher for ten times longer
+    for name, hidden_size, steps, seed in (("student", 64, 30, 0), ("teacher", 96, 300, 1)):
+        model = build_model(tokenizer, hidden_size=hidden_size, seed=seed)
+        train_on_answers(model, tokenizer, steps=steps, seed=seed)
+        model.save_pretrained(output_dir / name)
+        tokenizer.save_pretrained(output_dir / name)
+    write_prompts(output_dir / "train.jsonl", 512, seed=1)
+    write_prompts(output_dir / "heldout.jsonl", 64, seed=2)
+    done.write_text("ok\n")
+    return output_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="trl-opd make-tiny", description=__doc__.splitlines()[0])
+    parser.add_argument("output_dir", nargs="?", default="artifacts/tiny")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    print(make_tiny(args.output_dir, overwrite=args.overwrite))
+
+
+if __name__ == "__main__":
+    main()
+
+
+class TensorMemoryMeter:
+    """Peak bytes of tensor storage allocated while active (CPU or GPU), via a dispatch mode.
+
+    Counts each new storage once, from the op that creates it until the storage is freed. Views and `out=` writes
+    into existing buffers add nothing. `largest` is the biggest single allocation.
+
+        with TensorMemoryMeter() as meter:
+            score(...)
+        meter.peak, meter.largest
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                meter._record(out, inputs=(args, kwargs))
+                return out
+
+        self._mode = _Mode()
+        self._live: dict[int, int] = {}
+        self.current = self.peak = self.largest = 0
+
+    def _record(self, out, inputs) -> None:
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        def storages(tree):
+            return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+
+        existing = storages(inputs)  # an output on an input's storage is a view or an in-place write
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or key in self._live or key in existing:
+                continue
+            self._live[key] = size
+            self.current += size
+            self.peak = max(self.peak, self.current)
+            self.largest = max(self.largest, size)
+            weakref.finalize(storage, self._free, key)  # storages outlive the tensor that made them
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
