@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch first: on this kind of machine a looser requirement pulls a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,deepspeed,wandb]'
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
 demo: $(VENV)/.installed
