@@ -14,7 +14,18 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def naive_scores(model, ids, mask, prompt_len):
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    return logits[:, prompt_len - 1 : -1].log_softmax(-1).gather(-1, ids[:, prompt_len:, None])
+
+
+def fused_scores(teacher, ids, mask, prompt_len):
+    return teacher.score(ids[:, :prompt_len], mask[:, :prompt_len], ids[:, prompt_len:], mask[:, prompt_len:])
+
+
 def main() -> None:
+    from functools import partial
+
     import torch
 
     from trl_opd.teachers import LocalTeacher
@@ -31,15 +42,9 @@ def main() -> None:
         for completion_len in (112, 496):
             ids = torch.randint(3, len(tokenizer), (rows, prompt_len + completion_len))
             mask = torch.ones_like(ids)
-
-            def naive():
-                logits = model(input_ids=ids, attention_mask=mask).logits
-                return logits[:, prompt_len - 1 : -1].log_softmax(-1).gather(-1, ids[:, prompt_len:, None])
-
-            def fused():
-                return teacher.score(ids[:, :prompt_len], mask[:, :prompt_len], ids[:, prompt_len:], mask[:, prompt_len:])
-
             measured = {}
+            naive = partial(naive_scores, model, ids, mask, prompt_len)
+            fused = partial(fused_scores, teacher, ids, mask, prompt_len)
             for name, fn in (("naive", naive), ("fused", fused)):
                 with torch.no_grad():
                     fn()  # warm-up

@@ -157,3 +157,19 @@ def test_missing_prompt_column_and_empty_dataset_fail(tiny, make_config):
 def test_missing_teacher_fails(tiny, prompts, make_config):
     with pytest.raises(ValueError, match="needs a teacher"):
         OPDTrainer(model=str(tiny / "student"), args=make_config(), train_dataset=prompts)
+
+
+def test_checkpoints_hold_the_student_and_its_state_but_never_the_teacher(tiny, prompts, make_config):
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    trainer = _trainer(tiny, prompts, make_config(max_steps=1, save_strategy="steps", save_steps=1))
+    trainer.train()
+    checkpoint = Path(trainer.args.output_dir) / "checkpoint-1"
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= files
+    with safe_open(checkpoint / "model.safetensors", "pt") as saved:
+        shapes = {name: tuple(saved.get_slice(name).get_shape()) for name in saved.keys()}
+    assert shapes == {name: tuple(p.shape) for name, p in trainer.model.state_dict().items()}
+    assert not any(96 in shape for shape in shapes.values())  # the teacher's hidden size is 96, the student's 64
