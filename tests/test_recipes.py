@@ -12,20 +12,26 @@ ACCELERATE_CONFIGS = sorted(Path(__file__).parents[1].glob("recipes/accelerate/*
 
 
 def test_there_are_recipes():
-    assert {p.name for p in RECIPES} >= {"smoke_cpu.yaml", "qwen3_deepmath_lora.yaml"}
+    assert {p.name for p in RECIPES} >= {
+        "smoke_cpu.yaml", "smoke_cpu_served.yaml", "qwen3_deepmath_lora.yaml", "qwen3_deepmath_served_teacher.yaml"
+    }
     assert {p.name for p in ACCELERATE_CONFIGS} >= {"cpu.yaml", "single_gpu.yaml", "zero3.yaml"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_parses_and_documents_its_launch(recipe):
-    header = recipe.read_text().splitlines()[:4]
-    assert header[0].startswith("# ") and any("accelerate launch" in line for line in header)
+    lines = recipe.read_text().splitlines()
+    header = lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))]
+    assert header and any("accelerate launch" in line for line in header)
     # GPU recipes set bf16, which TrainingArguments rejects on a machine without a GPU unless told it is a CPU run
     argv = ["--config", str(recipe), "--use_cpu", "true"]
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
     raw = yaml.safe_load(recipe.read_text())
     assert model_args.model_name_or_path == raw["model_name_or_path"]
-    assert training_args.teacher_model_name_or_path == raw["teacher_model_name_or_path"]
+    assert training_args.teacher_model_name_or_path == raw.get("teacher_model_name_or_path")
+    served = raw.get("teacher_server_url")
+    assert training_args.teacher_server_url == ([served] if isinstance(served, str) else served)
+    assert (training_args.teacher_model_name_or_path is None) != (training_args.teacher_server_url is None)
     assert script_args.dataset_name == raw["dataset_name"]
     assert training_args.opd_coef == raw.get("opd_coef", 1.0)
     if "teacher_model_init_kwargs" in raw:

@@ -3,6 +3,7 @@
     trl-opd --config recipes/smoke_cpu.yaml [--max_steps 5 ...]        # train (also: trl-opd train --config ...)
     accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/smoke_cpu.yaml
     trl-opd make-tiny artifacts/tiny                                    # the local models the smoke recipe uses
+    trl-opd serve-teacher MODEL [--port 8000] [vllm args]               # a vLLM server for teacher_server_url
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> None:
         from .testing import main as make_tiny_main
 
         return make_tiny_main(argv[1:])
+    if argv[:1] == ["serve-teacher"]:
+        from .serve import main as serve_main
+
+        return serve_main(argv[1:])
     if argv[:1] == ["train"]:
         argv = argv[1:]
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)

@@ -73,11 +73,31 @@ class OPDConfig(GRPOConfig):
             "advantages from that token to the end of its completion. 0 (default) keeps the per-token advantage."
         },
     )
+    teacher_server_url: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Base URL(s) of vLLM servers serving the teacher (`trl-opd serve-teacher MODEL` starts one), "
+            "e.g. http://10.0.0.5:8000. Used instead of a local teacher model; each generation batch is spread "
+            "across the URLs."
+        },
+    )
+    teacher_server_api_key_env: str | None = field(
+        default="OPD_TEACHER_API_KEY",
+        metadata={"help": "Environment variable holding the teacher servers' API key (vLLM's --api-key), if any."},
+    )
+    teacher_server_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds to wait for one teacher server answer before retrying."},
+    )
+    teacher_server_max_retries: int = field(
+        default=3,
+        metadata={"help": "Retries of a teacher request after a connection error, timeout or 5xx answer."},
+    )
     teacher_batch_size: int | None = field(
         default=None,
         metadata={
-            "help": "Sequences per teacher forward when scoring a generation batch. Defaults to "
-            "`per_device_train_batch_size`."
+            "help": "Sequences per teacher forward (or per request to a teacher server) when scoring a generation "
+            "batch. Defaults to `per_device_train_batch_size`."
         },
     )
 
@@ -98,5 +118,12 @@ class OPDConfig(GRPOConfig):
             )
         if not 0.0 <= self.kl_discount_factor < 1.0:
             raise ValueError(f"kl_discount_factor must be in [0, 1), got {self.kl_discount_factor}.")
+        if isinstance(self.teacher_server_url, str):
+            self.teacher_server_url = [self.teacher_server_url]
+        if self.teacher_server_url and self.teacher_model_name_or_path:
+            raise ValueError(
+                "Set either teacher_model_name_or_path (a local teacher) or teacher_server_url (a served teacher), "
+                "not both."
+            )
         if self.teacher_batch_size is not None and self.teacher_batch_size < 1:
             raise ValueError(f"teacher_batch_size must be a positive integer, got {self.teacher_batch_size}.")

@@ -154,6 +154,15 @@ if __name__ == "__main__":
     main()
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class TensorMemoryMeter:
     """Peak bytes of tensor storage allocated while active (CPU or GPU), via a dispatch mode.
 

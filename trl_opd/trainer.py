@@ -22,6 +22,7 @@ from .config import OPDConfig
 from .loss import opd_advantages, opd_metric_sums, opd_metrics_from_sums
 from .teachers import LocalTeacher, TeacherScorer
 from .teachers.local import freeze_teacher
+from .teachers.vllm_server import VLLMServerTeacher
 
 # Metrics GRPO derives from rewards; meaningless (all NaN or 0) when the teacher is the only signal
 _REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")
@@ -37,7 +38,8 @@ class OPDTrainer(GRPOTrainer):
 
     Args:
         model: the student, as a path/Hub id or a model (optionally wrapped by `peft_config`).
-        teacher_model: the frozen teacher, as a path/Hub id or a model. Defaults to `args.teacher_model_name_or_path`.
+        teacher_model: the frozen teacher, as a path/Hub id or a model. Defaults to `args.teacher_model_name_or_path`;
+            leave it unset with `args.teacher_server_url` to score with vLLM servers instead.
         args: an `OPDConfig`.
         train_dataset / eval_dataset: prompt-only datasets with a `prompt` column (text or chat messages).
         processing_class: the student's tokenizer; loaded from the student's path when omitted.
@@ -72,18 +74,31 @@ class OPDTrainer(GRPOTrainer):
             check_prompt_dataset(dataset, name=f"eval_dataset{f'[{split!r}]' if split else ''}")
 
         teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
-        if teacher_model is None:
+        if teacher_model is not None and args.teacher_server_url:
+            raise ValueError("Pass either a teacher model or `teacher_server_url`, not both.")
+        if teacher_model is None and not args.teacher_server_url:
             raise ValueError(
-                "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model) or set "
-                "`teacher_model_name_or_path` in the OPDConfig."
+                "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set "
+                "`teacher_model_name_or_path` or `teacher_server_url` in the OPDConfig."
             )
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
                 student_name, padding_side="left", truncation_side="left", trust_remote_code=args.trust_remote_code
             )
-        teacher_model = self._check_and_load_teacher(
-            model, teacher_model, args, student_name, processing_class, teacher_processing_class
-        )
+        teacher_batch_size = args.teacher_batch_size or args.per_device_train_batch_size
+        if args.teacher_server_url:
+            served_teacher = VLLMServerTeacher.from_env(
+                args.teacher_server_url,
+                api_key_env=args.teacher_server_api_key_env,
+                batch_size=teacher_batch_size,
+                timeout=(10.0, args.teacher_server_timeout),
+                max_retries=args.teacher_server_max_retries,
+            )
+            served_teacher.connect(getattr(processing_class, "tokenizer", processing_class), student_name=student_name)
+        else:
+            teacher_model = self._check_and_load_teacher(
+                model, teacher_model, args, student_name, processing_class, teacher_processing_class
+            )
 
         super().__init__(
             model=model,
@@ -103,12 +118,14 @@ class OPDTrainer(GRPOTrainer):
             # clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly
             self.epsilon_low, self.epsilon_high = 1.0, float("inf")
 
-        self.teacher_model = self._prepare_teacher(freeze_teacher(teacher_model))
-        self.teacher: TeacherScorer = LocalTeacher(
-            self.teacher_model,
-            batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
-            autocast=self.accelerator.autocast,
-        )
+        self.teacher: TeacherScorer
+        if args.teacher_server_url:
+            self.teacher_model, self.teacher = None, served_teacher
+        else:
+            self.teacher_model = self._prepare_teacher(freeze_teacher(teacher_model))
+            self.teacher = LocalTeacher(
+                self.teacher_model, batch_size=teacher_batch_size, autocast=self.accelerator.autocast
+            )
         self._completion_tokens_total = 0
         self._window_tokens = 0
         self._window_start: float | None = None

@@ -1,0 +1,196 @@
+"""The served teacher: a real vLLM server for the happy paths, a small fake HTTP server only to inject faults."""
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from trl_opd import OPDTrainer
+from trl_opd.serve import vllm_command
+from trl_opd.teachers import LocalTeacher
+from trl_opd.teachers.local import freeze_teacher
+from trl_opd.teachers.vllm_server import TeacherServerError, VLLMServerTeacher
+from trl_opd.testing import free_port
+
+
+def _padded_batch(seed=0):
+    """Five sequences: a left-padded prompt, a short completion, and a fully masked (truncated) completion."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids, completion_ids = torch.randint(3, 480, (5, 6), generator=g), torch.randint(3, 480, (5, 7), generator=g)
+    prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
+    prompt_mask[0, :2] = 0
+    completion_mask[1, 4:] = 0
+    completion_mask[2, :] = 0
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+# ------------------------------------------------------------------------------------------------ real server
+
+
+def test_served_scores_equal_the_local_teacher(teacher_server, tiny, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    batch = _padded_batch()
+    served = VLLMServerTeacher([teacher_server, teacher_server], batch_size=2)  # 2 URLs: the batch is spread
+    served.connect(tokenizer, student_name="tiny student")
+    local = LocalTeacher(freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher")), batch_size=8)
+    served_scores, local_scores = served.score(*batch), local.score(*batch)
+
+    mask = batch[3].bool()
+    assert served_scores.logps.shape == batch[2].shape
+    assert (served_scores.logps[mask] - local_scores.logps[mask]).abs().max() < 1e-4
+    assert torch.equal(served_scores.is_top1[mask], local_scores.is_top1[mask])  # from vLLM's rank field
+    assert served_scores.entropy is None
+    assert served_scores.logps[~mask].abs().sum() == 0
+
+
+def test_served_teacher_trains_the_student(teacher_server, tiny, prompts, make_config):
+    trainer = OPDTrainer(
+        model=str(tiny / "student"), args=make_config(max_steps=2, teacher_server_url=teacher_server),
+        train_dataset=prompts,
+    )
+    assert trainer.teacher_model is None
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert all(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    logs = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry["opd/reverse_kl"]) for entry in logs)
+    assert "opd/teacher_agreement" in logs[0] and "opd/teacher_entropy" not in logs[0]
+
+
+def test_served_teacher_equal_to_student_gives_zero_kl(teacher_server, tiny, prompts, make_config):
+    # the server serves the tiny teacher, so make that model the student too
+    trainer = OPDTrainer(
+        model=str(tiny / "teacher"), args=make_config(max_steps=1, teacher_server_url=teacher_server),
+        train_dataset=prompts,
+    )
+    trainer.train()
+    first = next(entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry)
+    assert first["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_student_with_another_tokenizer_fails_before_training(teacher_server, tmp_path):
+    from trl_opd.testing import build_tokenizer
+
+    other = build_tokenizer(vocab_size=300)
+    with pytest.raises(ValueError, match=rf"served at {teacher_server} .* tokenizes differently"):
+        VLLMServerTeacher(teacher_server).connect(other, student_name="other")
+
+
+# ------------------------------------------------------------------------------------ faults, from a fake server
+
+
+class _FakeServer:
+    """Answers each request with the next canned (status, body); records requests and headers."""
+
+    def __init__(self, answers):
+        self.answers, self.requests = list(answers), []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                fake.requests.append((self.path, dict(self.headers), self.rfile.read(length)))
+                status, body = fake.answers.pop(0) if len(fake.answers) > 1 else fake.answers[0]
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _reply
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def make(*answers):
+        servers.append(_FakeServer(answers))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def _one_sequence():
+    prompt_ids, completion_ids = torch.tensor([[5, 6]]), torch.tensor([[7, 8]])
+    return prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids)
+
+
+def _answer(prompt_logprobs):
+    return 200, {"choices": [{"index": 0, "prompt_logprobs": prompt_logprobs}]}
+
+
+def test_5xx_is_retried_with_backoff_then_names_the_url_and_status(fake_server):
+    server = fake_server((503, {"error": "overloaded"}))
+    teacher = VLLMServerTeacher(server.url, max_retries=2, backoff=0.0)
+    message = rf"{server.url} did not answer .* after 3 attempts \(last: HTTP 503\)"
+    with pytest.raises(TeacherServerError, match=message):
+        teacher.score(*_one_sequence())
+    assert len(server.requests) == 3
+
+
+def test_a_transient_5xx_recovers(fake_server):
+    good = _answer([None, {"6": {"logprob": -1.0, "rank": 2}}, {"7": {"logprob": -0.5, "rank": 1}},
+                    {"8": {"logprob": -2.0, "rank": 3}}])
+    server = fake_server((502, {}), good)
+    scores = VLLMServerTeacher(server.url, backoff=0.0).score(*_one_sequence())
+    assert scores.logps.tolist() == [[-0.5, -2.0]] and scores.is_top1.tolist() == [[True, False]]
+
+
+def test_unreachable_server_is_a_clear_error():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+    with pytest.raises(TeacherServerError, match=rf"{url} did not answer .* \(last: ConnectionError\)"):
+        VLLMServerTeacher(url, max_retries=1, backoff=0.0).score(*_one_sequence())
+
+
+@pytest.mark.parametrize(
+    "prompt_logprobs, message",
+    [
+        ([None, {"6": {"logprob": -1.0}}, {"7": {"logprob": -0.5}}], r"sequence 0 came back with 3 .* expected 4"),
+        ([None, {"6": {"logprob": -1.0}}, None, {"8": {"logprob": -2.0}}], r"sequence 0, completion position 0"),
+        ([None, {"6": {"logprob": -1.0}}, {"7": {"logprob": math.nan}}, {"8": {"logprob": -2.0}}], "log-prob nan"),
+        ([None, {"6": {"logprob": -1.0}}, {"7": {"logprob": -0.5}}, {"9": {"logprob": -2.0}}], r"token 8\) has"),
+    ],
+    ids=["short", "null", "nan", "wrong-token"],
+)
+def test_malformed_answers_are_rejected_with_the_sequence(fake_server, prompt_logprobs, message):
+    server = fake_server(_answer(prompt_logprobs))
+    with pytest.raises(TeacherServerError, match=message):
+        VLLMServerTeacher(server.url).score(*_one_sequence())
+
+
+def test_api_key_is_sent_but_never_shown(fake_server, monkeypatch):
+    monkeypatch.setenv("OPD_TEACHER_API_KEY", "sekrit-123")
+    server = fake_server((401, {"error": "bad key"}))
+    teacher = VLLMServerTeacher.from_env(server.url, api_key_env="OPD_TEACHER_API_KEY", backoff=0.0)
+    with pytest.raises(TeacherServerError, match="HTTP 401") as error:
+        teacher.score(*_one_sequence())
+    assert len(server.requests) == 1  # a 4xx is not retried
+    assert server.requests[0][1]["Authorization"] == "Bearer sekrit-123"
+    assert "sekrit" not in str(error.value) and "sekrit" not in repr(teacher.__dict__.get("urls"))
+
+
+def test_serve_teacher_command_has_the_scoring_flags_and_user_flags_win():
+    command = vllm_command("m", python="py", host="0.0.0.0", port=9, max_logprobs=20, extra=["--port", "7"])
+    assert command[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--no-enable-prefix-caching" in command
+    assert command[command.index("--logprobs-mode") + 1] == "raw_logprobs"
+    assert command[command.index("--max-logprobs") + 1] == "20"
+    assert command.count("--port") == 1 and command[command.index("--port") + 1] == "7"

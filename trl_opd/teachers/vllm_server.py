@@ -1,0 +1,197 @@
+"""A teacher behind one or more vLLM OpenAI-compatible servers, over plain HTTP (no vllm in the training process).
+
+Each sequence (prompt + student completion, as token ids) is sent as a prompt with `prompt_logprobs`; the server
+answers one entry per prompt position, keyed by token id, and the entries at completion positions are the teacher's
+log-probs of the sampled tokens. Start a server with `trl-opd serve-teacher MODEL`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+import torch
+
+from .base import TeacherScores
+
+# A probe that exercises words, digits, punctuation and whitespace, for the tokenizer comparison
+_TOKENIZER_PROBE = "Distil: 12 + 7 = 19, isn't it?\n  The answer is 19."
+
+
+class TeacherServerError(RuntimeError):
+    """A teacher server could not be reached, refused a request, or answered something unusable."""
+
+
+class VLLMServerTeacher:
+    """Scores completions with vLLM servers at `urls`, spreading each batch across them concurrently.
+
+    Args:
+        urls: base URLs, e.g. `http://127.0.0.1:8000`.
+        batch_size: sequences per request.
+        timeout: (connect, read) seconds per request.
+        max_retries: retries of a request after a connection error, a timeout or a 5xx answer, with exponential
+            backoff from `backoff` seconds. A 4xx answer is not retried.
+        api_key: sent as a bearer token (vLLM's `--api-key`); never logged or put in an error message.
+    """
+
+    def __init__(
+        self,
+        urls: str | list[str],
+        *,
+        batch_size: int = 8,
+        timeout: tuple[float, float] = (5.0, 300.0),
+        max_retries: int = 3,
+        backoff: float = 1.0,
+        api_key: str | None = None,
+    ):
+        self.urls = [url.rstrip("/") for url in ([urls] if isinstance(urls, str) else urls)]
+        if not self.urls:
+            raise ValueError("VLLMServerTeacher needs at least one server URL.")
+        self.batch_size, self.timeout, self.max_retries, self.backoff = batch_size, timeout, max_retries, backoff
+        self._session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=4 * len(self.urls))
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+        if api_key:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="opd-teacher")
+        self.models: dict[str, str] = {}  # url -> served model id, filled by `connect`
+
+    @classmethod
+    def from_env(cls, urls, *, api_key_env: str | None, **kwargs) -> VLLMServerTeacher:
+        return cls(urls, api_key=os.environ.get(api_key_env) if api_key_env else None, **kwargs)
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _request(self, method: str, url: str, path: str, payload: dict | None = None) -> dict:
+        last = "no attempt"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                response = self._session.request(method, url + path, json=payload, timeout=self.timeout)
+            except (requests.ConnectionError, requests.Timeout) as error:
+                last = f"{type(error).__name__}"
+                continue
+            if response.status_code >= 500:
+                last = f"HTTP {response.status_code}"
+                continue
+            if response.status_code >= 400:
+                raise TeacherServerError(
+                    f"Teacher server {url} refused {method} {path}: HTTP {response.status_code}: {response.text[:300]}"
+                )
+            return response.json() if response.content else {}
+        raise TeacherServerError(
+            f"Teacher server {url} did not answer {method} {path} after {self.max_retries + 1} attempts "
+            f"(last: {last}). Is it running? Start one with `trl-opd serve-teacher MODEL`."
+        )
+
+    # ------------------------------------------------------------------ start-up
+
+    def connect(self, tokenizer, *, student_name: str) -> None:
+        """Check every server is healthy, tokenizes like the student and scores a probe. Raises before training.
+
+        The probe request also warms the server up (its first scoring request is the slow one).
+        """
+        expected = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+        for url in self.urls:
+            self._request("GET", url, "/health")
+            model = self._request("GET", url, "/v1/models")["data"][0]["id"]
+            self.models[url] = model
+            served = self._request(
+                "POST", url, "/tokenize", {"model": model, "prompt": _TOKENIZER_PROBE, "add_special_tokens": False}
+            )["tokens"]
+            if served != expected:
+                position = _first_difference(served, expected)
+                raise ValueError(
+                    f"The teacher served at {url} ({model}) tokenizes differently from the student ({student_name}): "
+                    f"on the probe {_TOKENIZER_PROBE!r}, token {position} is "
+                    f"{served[position] if position < len(served) else None} on the server and "
+                    f"{expected[position] if position < len(expected) else None} for the student. The teacher scores "
+                    "the student's token ids as they are, so both must share one vocabulary."
+                )
+            for token in (tokenizer.eos_token, tokenizer.bos_token):
+                if token is None:
+                    continue
+                ids = self._request("POST", url, "/tokenize", {"model": model, "prompt": token,
+                                                               "add_special_tokens": False})["tokens"]
+                if ids != [tokenizer.convert_tokens_to_ids(token)]:
+                    raise ValueError(
+                        f"The teacher served at {url} ({model}) does not read the student's special token {token!r} "
+                        f"as id {tokenizer.convert_tokens_to_ids(token)} (it reads {ids})."
+                    )
+            (entries,) = self._score_chunk(url, [expected], first_index=0)
+            _read_entries(entries, expected[:1], expected[1:], index=0, url=url)
+
+    # ------------------------------------------------------------------ scoring
+
+    def _score_chunk(self, url: str, sequences: list[list[int]], first_index: int) -> list[list]:
+        answer = self._request(
+            "POST", url, "/v1/completions",
+            {"model": self.models.get(url, ""), "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
+             "prompt_logprobs": 0},
+        )
+        choices = sorted(answer.get("choices", []), key=lambda choice: choice["index"])
+        if [choice["index"] for choice in choices] != list(range(len(sequences))):
+            raise TeacherServerError(
+                f"Teacher server {url} answered {len(choices)} choices for {len(sequences)} sequences "
+                f"(sequences {first_index}..{first_index + len(sequences) - 1})."
+            )
+        return [choice.get("prompt_logprobs") for choice in choices]
+
+    def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> TeacherScores:
+        rows, num_completion = completion_ids.shape
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        completions = [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask, strict=True)]
+        scored = [i for i in range(rows) if completions[i]]  # a fully masked completion has nothing to score
+
+        futures = []
+        for chunk_number, start in enumerate(range(0, len(scored), self.batch_size)):
+            indices = scored[start : start + self.batch_size]
+            url = self.urls[chunk_number % len(self.urls)]
+            sequences = [prompts[i] + completions[i] for i in indices]
+            futures.append((indices, url, self._pool.submit(self._score_chunk, url, sequences, indices[0])))
+
+        logps = torch.zeros(rows, num_completion)
+        is_top1 = torch.zeros(rows, num_completion, dtype=torch.bool)
+        has_rank = True
+        for indices, url, future in futures:
+            for i, entries in zip(indices, future.result(), strict=True):
+                values, ranks = _read_entries(entries, prompts[i], completions[i], index=i, url=url)
+                logps[i, : len(values)] = torch.tensor(values)
+                if ranks is None:
+                    has_rank = False
+                else:
+                    is_top1[i, : len(ranks)] = torch.tensor(ranks) == 1
+        device = completion_ids.device
+        return TeacherScores(logps=logps.to(device), is_top1=is_top1.to(device) if has_rank else None)
+
+
+def _first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _read_entries(entries, prompt: list[int], completion: list[int], *, index: int, url: str):
+    """The teacher's log-prob (and rank, if given) of each completion token, validated."""
+    expected = len(prompt) + len(completion)
+    if entries is None or len(entries) != expected:
+        raise TeacherServerError(
+            f"Teacher server {url}: sequence {index} came back with {0 if entries is None else len(entries)} "
+            f"prompt log-prob entries, expected {expected} (one per token)."
+        )
+    values, ranks = [], []
+    for position, token in enumerate(completion, start=len(prompt)):
+        entry = entries[position] or {}
+        scored = entry.get(str(token))
+        logprob = None if scored is None else scored.get("logprob")
+        if logprob is None or not math.isfinite(logprob):
+            raise TeacherServerError(
+                f"Teacher server {url}: sequence {index}, completion position {position - len(prompt)} (token "
+                f"{token}) has log-prob {logprob!r}: expected a finite number."
+            )
+        values.append(logprob)
+        ranks.append(scored.get("rank"))
+    return values, (None if any(rank is None for rank in ranks) else ranks)
