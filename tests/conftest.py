@@ -63,64 +63,35 @@ SERVER_FIXTURE = "teacher_server"
 
 
 @pytest.fixture(scope="session")
-def _teacher_server_process(tiny, tmp_path_factory):
-    """`trl-opd serve-teacher` on the tiny teacher, in vLLM's own virtualenv (`make test` builds it)."""
-    import signal
-    import subprocess
-    import sys
+def teacher_server_process(tiny, tmp_path_factory):
+    """The session's vLLM server process (started, maybe not ready yet). Tests that stop it must restart it."""
     from pathlib import Path
 
-    from trl_opd.testing import free_port
+    from trl_opd.testing import TeacherServerProcess
 
     python = os.environ.get("OPD_VLLM_PYTHON", str(Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"))
     if not Path(python).exists():
         pytest.fail(f"No vLLM interpreter at {python}: run `make test` (it builds .venv-vllm) or set OPD_VLLM_PYTHON.")
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "trl_opd", "serve-teacher", str(tiny / "teacher"), "--python", python,
-               "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = TeacherServerProcess(tiny / "teacher", tmp_path_factory.mktemp("vllm") / "server.log", python)
+    server.start()
     try:
-        yield process, f"http://127.0.0.1:{port}", log
+        yield server
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        server.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _boot_teacher_server_early(request):
     """The server takes a minute to start: launch it with the session, so it boots while other tests run."""
     if any(SERVER_FIXTURE in getattr(item, "fixturenames", ()) for item in request.session.items):
-        request.getfixturevalue("_teacher_server_process")
+        request.getfixturevalue("teacher_server_process")
 
 
-@pytest.fixture(scope="session")
-def teacher_server(_teacher_server_process):
+@pytest.fixture
+def teacher_server(teacher_server_process):
     """The URL of a ready, warmed-up vLLM server serving the tiny teacher."""
-    import time
-
-    import requests
-
-    process, url, log = _teacher_server_process
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"The vLLM server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"The vLLM server did not become healthy in 600 s:\n{log.read_text()[-3000:]}")
-        time.sleep(2)
-    model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    warm_up = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 0}
-    requests.post(url + "/v1/completions", json=warm_up, timeout=300).raise_for_status()
-    return url
+    try:
+        teacher_server_process.wait_ready()
+    except RuntimeError as error:
+        pytest.fail(str(error))
+    return teacher_server_process.url

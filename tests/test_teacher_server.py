@@ -7,6 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from trl_opd import OPDTrainer
 from trl_opd.serve import vllm_command
@@ -47,18 +48,31 @@ def test_served_scores_equal_the_local_teacher(teacher_server, tiny, tokenizer):
     assert served_scores.logps[~mask].abs().sum() == 0
 
 
-def test_served_teacher_trains_the_student(teacher_server, tiny, prompts, make_config):
-    trainer = OPDTrainer(
+def _opd_logs(trainer):
+    return [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+
+
+def test_served_teacher_trains_the_student_like_the_local_one(teacher_server, tiny, prompts, make_config):
+    served = OPDTrainer(
         model=str(tiny / "student"), args=make_config(max_steps=2, teacher_server_url=teacher_server),
         train_dataset=prompts,
     )
-    assert trainer.teacher_model is None
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.train()
-    assert all(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
-    logs = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+    assert served.teacher_model is None
+    before = [p.detach().clone() for p in served.model.parameters()]
+    served.train()
+    assert all(not torch.equal(a, b) for a, b in zip(before, served.model.parameters(), strict=True))
+    logs = _opd_logs(served)
     assert len(logs) == 2 and all(math.isfinite(entry["opd/reverse_kl"]) for entry in logs)
     assert "opd/teacher_agreement" in logs[0] and "opd/teacher_entropy" not in logs[0]
+
+    # same seed and data with the local teacher: same samples, same first-step KL
+    local = OPDTrainer(
+        model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=make_config(max_steps=1),
+        train_dataset=prompts,
+    )
+    local.train()
+    assert logs[0]["opd/reverse_kl"] == pytest.approx(_opd_logs(local)[0]["opd/reverse_kl"], abs=1e-4)
+    assert logs[0]["opd/teacher_agreement"] == pytest.approx(_opd_logs(local)[0]["opd/teacher_agreement"])
 
 
 def test_served_teacher_equal_to_student_gives_zero_kl(teacher_server, tiny, prompts, make_config):
@@ -194,3 +208,62 @@ def test_serve_teacher_command_has_the_scoring_flags_and_user_flags_win():
     assert command[command.index("--logprobs-mode") + 1] == "raw_logprobs"
     assert command[command.index("--max-logprobs") + 1] == "20"
     assert command.count("--port") == 1 and command[command.index("--port") + 1] == "7"
+
+
+# ------------------------------------------------------------------ the real server stopped mid-run (kept last: slow)
+
+
+class _StopServerAfterStep(TrainerCallback):
+    def __init__(self, server, step, restart):
+        self.server, self.step, self.restart = server, step, restart
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.server.stop()
+            if self.restart:
+                self.server.start()  # not ready for about a minute: the next scoring request must retry
+
+
+def test_server_restarted_within_the_retry_window_loses_no_step(
+    teacher_server, teacher_server_process, tiny, prompts, make_config
+):
+    # backoff 1, 2, 4, ... s: nine retries wait up to 511 s, a restart takes about a minute here
+    config = make_config(max_steps=3, teacher_server_url=teacher_server, teacher_server_max_retries=9)
+    trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts)
+    trainer.add_callback(_StopServerAfterStep(teacher_server_process, step=1, restart=True))
+    trainer.train()
+    assert [entry["step"] for entry in _opd_logs(trainer)] == [1, 2, 3]
+    assert all(math.isfinite(entry["opd/reverse_kl"]) for entry in _opd_logs(trainer))
+
+
+def test_server_down_stops_training_and_the_last_checkpoint_resumes(
+    teacher_server, teacher_server_process, tiny, prompts, make_config
+):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    config = make_config(
+        max_steps=3, save_strategy="steps", save_steps=1, teacher_server_url=teacher_server,
+        teacher_server_max_retries=1,
+    )
+    trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts)
+    trainer.add_callback(_StopServerAfterStep(teacher_server_process, step=1, restart=False))
+    try:
+        with pytest.raises(TeacherServerError, match=rf"{teacher_server} did not answer POST /v1/completions"):
+            trainer.train()
+    finally:
+        teacher_server_process.start()
+
+    checkpoints = sorted(p.name for p in Path(config.output_dir).glob("checkpoint-*"))
+    assert checkpoints == ["checkpoint-1"]
+    saved = load_file(Path(config.output_dir) / "checkpoint-1" / "model.safetensors")
+    assert all(torch.equal(saved[name], p) for name, p in trainer.model.state_dict().items())  # intact
+
+    teacher_server_process.wait_ready()
+    resumed = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts)
+    resumed.train(resume_from_checkpoint=str(Path(config.output_dir) / "checkpoint-1"))
+    assert resumed.state.global_step == 3
+    # the history restored from the checkpoint, then the two steps trained after the resume
+    assert [entry["step"] for entry in _opd_logs(resumed)] == [1, 2, 3]
+    assert _opd_logs(resumed)[0] == _opd_logs(trainer)[0]

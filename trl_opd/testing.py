@@ -221,3 +221,76 @@ class TensorMemoryMeter:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+class TeacherServerProcess:
+    """`trl-opd serve-teacher` on a local model, for tests and benchmarks: start, wait until ready, stop.
+
+    `python` is an interpreter with vllm installed (here vLLM's CPU build lives in `.venv-vllm`).
+    """
+
+    def __init__(self, model, log, python: str, *, port: int | None = None):
+        self.model, self.log, self.python = model, Path(log), python
+        self.url = f"http://127.0.0.1:{port or free_port()}"
+        self.process = None
+
+    def start(self) -> None:
+        import os
+        import subprocess
+        import sys
+
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+        command = [sys.executable, "-m", "trl_opd", "serve-teacher", str(self.model), "--python", self.python,
+                   "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32", "--max-model-len", "512",
+                   "--enforce-eager"]
+        with open(self.log, "a") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+
+    def stop(self) -> None:
+        """Stop the server's whole process group (vLLM starts engine processes) and wait until it is gone."""
+        import os
+        import signal
+        import subprocess
+
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        """Until /health answers 200, then one scoring request (the first one is slow)."""
+        import time
+
+        import requests
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                tail = self.log.read_text()[-3000:]
+                raise RuntimeError(f"The vLLM server exited ({self.process.returncode}):\n{tail}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                tail = self.log.read_text()[-3000:]
+                raise RuntimeError(f"The vLLM server was not healthy after {timeout} s:\n{tail}")
+            time.sleep(2)
+        model = requests.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        warm_up = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 0}
+        requests.post(self.url + "/v1/completions", json=warm_up, timeout=300).raise_for_status()
+
+    def __enter__(self):
+        self.start()
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
