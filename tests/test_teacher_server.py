@@ -86,12 +86,15 @@ def test_served_teacher_equal_to_student_gives_zero_kl(teacher_server, tiny, pro
     assert first["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-4)
 
 
-def test_student_with_another_tokenizer_fails_before_training(teacher_server, tmp_path):
-    from trl_opd.testing import build_tokenizer
+def test_student_with_another_tokenizer_is_refused_at_start_up(teacher_server, prompts, make_config, tmp_path):
+    from trl_opd.testing import build_model, build_tokenizer
 
     other = build_tokenizer(vocab_size=300)
-    with pytest.raises(ValueError, match=rf"served at {teacher_server} .* tokenizes differently"):
-        VLLMServerTeacher(teacher_server).connect(other, student_name="other")
+    build_model(other).save_pretrained(tmp_path / "other")
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=rf"served at {teacher_server} .* tokenizes differently from the student"):
+        OPDTrainer(model=str(tmp_path / "other"), args=make_config(teacher_server_url=teacher_server),
+                   train_dataset=prompts)
 
 
 # ------------------------------------------------------------------------------------ faults, from a fake server

@@ -79,6 +79,13 @@ def test_short_run_trains_the_student_and_logs_every_opd_metric(tiny, prompts, m
     assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
 
 
+def test_text_prompts_train_as_well_as_chat_prompts(tiny, make_config):
+    text_prompts = Dataset.from_dict({"prompt": [f"What is {i} plus {i}?" for i in range(8)]})
+    trainer = _trainer(tiny, text_prompts, make_config(max_steps=1))
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["opd/reverse_kl"])
+
+
 def test_teacher_equal_to_student_gives_zero_kl_at_the_first_step(tiny, prompts, make_config):
     trainer = _trainer(tiny, prompts, make_config(max_steps=1), teacher=str(tiny / "student"))
     trainer.train()
