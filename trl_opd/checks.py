@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 
-def check_prompt_dataset(dataset, *, name: str = "train_dataset") -> None:
-    """A prompt dataset must be non-empty and have a `prompt` column (string or chat messages)."""
+def check_prompt_dataset(dataset, *, name: str = "train_dataset", teacher_prompt_column: str | None = None) -> None:
+    """A prompt dataset must be non-empty and have a `prompt` column (string or chat messages), and the teacher's
+    prompt column if one is configured."""
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
+    if columns is not None and teacher_prompt_column and teacher_prompt_column not in columns:
+        raise ValueError(
+            f"{name} has no {teacher_prompt_column!r} column (columns: {columns}), which teacher_prompt_column names "
+            "as the prompt the teacher sees. Add it, or unset teacher_prompt_column."
+        )
     if columns is not None and "prompt" not in columns:
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {columns}). OPDTrainer reads prompts from 'prompt', as a string "

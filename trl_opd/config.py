@@ -8,6 +8,7 @@ from typing import Any
 from trl import GRPOConfig
 
 OPD_OBJECTIVES = ("clipped", "importance_sampling")
+REWARD_COMBINATIONS = ("loss", "advantage")
 # GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -93,6 +94,64 @@ class OPDConfig(GRPOConfig):
         default=3,
         metadata={"help": "Retries of a teacher request after a connection error, timeout or 5xx answer."},
     )
+    teacher_adapter_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A PEFT adapter loaded onto the teacher model and merged before scoring (e.g. a domain expert "
+            "trained on the student's base). Must have been trained on the teacher model."
+        },
+    )
+    ref_as_teacher: bool = field(
+        default=False,
+        metadata={
+            "help": "Use GRPO's reference model (the frozen initial student) as the teacher: no second model is "
+            "loaded and opd/reverse_kl is 0 at the first step. A sanity check of the whole data path."
+        },
+    )
+    teacher_is_student_base: bool = field(
+        default=False,
+        metadata={
+            "help": "With a PEFT student: the teacher is the student's base model with the adapter disabled "
+            "(self-distillation, no second copy of the weights)."
+        },
+    )
+    teacher_temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "Temperature the teacher's logits are divided by before its log-probs are taken; independent of "
+            "the student's sampling `temperature`. Local teachers only."
+        },
+    )
+    teacher_system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "A system message only the teacher sees, before the student's chat prompt (privileged "
+            "information / context distillation). Both score the identical completion tokens."
+        },
+    )
+    teacher_prompt_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "A dataset column holding the prompt the teacher sees instead of the student's, in the same "
+            "format (text or chat messages)."
+        },
+    )
+    opd_loss_coef: float = field(
+        default=1.0,
+        metadata={
+            "help": "With reward functions: lambda in `L = L_RL + lambda * L_OPD` (opd_reward_combination='loss'), "
+            "or in `A = A_reward + lambda * A_teacher` (opd_reward_combination='advantage'). 0 trains on rewards only."
+        },
+    )
+    opd_reward_combination: str = field(
+        default="loss",
+        metadata={
+            "help": "How rewards and the teacher combine. 'loss': two clipped objectives on one student forward, "
+            "summed. 'advantage': the advantages are summed before one clipped objective. They differ because the "
+            "clipped objective is not linear in the advantage.",
+            "choices": list(REWARD_COMBINATIONS),
+        },
+    )
     teacher_batch_size: int | None = field(
         default=None,
         metadata={
@@ -120,10 +179,27 @@ class OPDConfig(GRPOConfig):
             raise ValueError(f"kl_discount_factor must be in [0, 1), got {self.kl_discount_factor}.")
         if isinstance(self.teacher_server_url, str):
             self.teacher_server_url = [self.teacher_server_url]
-        if self.teacher_server_url and self.teacher_model_name_or_path:
+        sources = {
+            "teacher_model_name_or_path": self.teacher_model_name_or_path,
+            "teacher_server_url": self.teacher_server_url,
+            "ref_as_teacher": self.ref_as_teacher,
+            "teacher_is_student_base": self.teacher_is_student_base,
+        }
+        chosen = [name for name, value in sources.items() if value]
+        if len(chosen) > 1:
+            raise ValueError(f"Choose one teacher source, not {' and '.join(chosen)}.")
+        if self.teacher_adapter_name_or_path and chosen and chosen != ["teacher_model_name_or_path"]:
             raise ValueError(
-                "Set either teacher_model_name_or_path (a local teacher) or teacher_server_url (a served teacher), "
-                "not both."
+                "teacher_adapter_name_or_path goes onto a local teacher model (teacher_model_name_or_path), "
+                f"not {chosen[0]}."
             )
+        if self.teacher_system_prompt and self.teacher_prompt_column:
+            raise ValueError("Set teacher_system_prompt or teacher_prompt_column, not both.")
+        if self.opd_reward_combination not in REWARD_COMBINATIONS:
+            raise ValueError(
+                f"opd_reward_combination must be one of {REWARD_COMBINATIONS}, got {self.opd_reward_combination!r}."
+            )
+        if self.teacher_temperature <= 0:
+            raise ValueError(f"teacher_temperature must be positive, got {self.teacher_temperature}.")
         if self.teacher_batch_size is not None and self.teacher_batch_size < 1:
             raise ValueError(f"teacher_batch_size must be a positive integer, got {self.teacher_batch_size}.")

@@ -1,31 +1,37 @@
-"""OPDTrainer: GRPO's trainer with the reward replaced by a frozen teacher's per-token signal.
+"""OPDTrainer: GRPO's trainer with the reward replaced (or joined) by a frozen teacher's per-token signal.
 
 The student samples completions (GRPO's generation path, unchanged), the teacher scores exactly those token ids once
 per generation batch, and `A[t] = opd_coef * (log pi_T - log pi_old)` goes into GRPO's own `_compute_loss`, which
-accepts (B, T) advantages.
+accepts (B, T) advantages. With reward functions, the two signals combine as `L_RL + opd_loss_coef * L_OPD` on one
+student forward, or as summed advantages.
 """
 
 from __future__ import annotations
 
-import time
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from accelerate.utils import is_peft_model
+from transformers import AutoTokenizer, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import create_model_from_path, get_config_model_id
+from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
-from .checks import check_prompt_dataset, check_tokenizers_compatible, check_vocab_sizes
+from .checks import check_prompt_dataset
 from .config import OPDConfig
-from .loss import opd_advantages, opd_metric_sums, opd_metrics_from_sums
-from .teachers import LocalTeacher, TeacherScorer
+from .loss import opd_advantages
+from .metrics import OPDMetricsMixin
+from .teachers import LocalTeacher, TeacherScorer, TeacherScores
+from .teachers.loading import connect_served_teacher, load_local_teacher
 from .teachers.local import freeze_teacher
-from .teachers.vllm_server import VLLMServerTeacher
+from .teachers.reference import ReferenceTeacher
 
 # Metrics GRPO derives from rewards; meaningless (all NaN or 0) when the teacher is the only signal
 _REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")
+# A KL weight that makes GRPO build its reference model, which the reference teacher reads; reset to 0 right after
+_BUILD_REFERENCE_BETA = 1e-12
 
 
 def _teacher_only(**kwargs):
@@ -33,16 +39,17 @@ def _teacher_only(**kwargs):
     raise AssertionError("OPDTrainer removes this placeholder reward function before training.")
 
 
-class OPDTrainer(GRPOTrainer):
+class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
 
     Args:
         model: the student, as a path/Hub id or a model (optionally wrapped by `peft_config`).
         teacher_model: the frozen teacher, as a path/Hub id or a model. Defaults to `args.teacher_model_name_or_path`;
-            leave it unset with `args.teacher_server_url` to score with vLLM servers instead.
+            leave it unset for the other sources: `teacher_server_url`, `ref_as_teacher`, `teacher_is_student_base`.
         args: an `OPDConfig`.
         train_dataset / eval_dataset: prompt-only datasets with a `prompt` column (text or chat messages).
         processing_class: the student's tokenizer; loaded from the student's path when omitted.
+        reward_funcs: optional GRPO reward functions, mixed with the teacher signal (see `opd_reward_combination`).
         peft_config: a PEFT config to train an adapter instead of the full student.
         teacher_processing_class: the teacher's tokenizer, for the compatibility check; loaded from the teacher's
             path when omitted (and taken to be the student's for a teacher model with no path).
@@ -59,6 +66,7 @@ class OPDTrainer(GRPOTrainer):
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
+        reward_funcs=None,
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
@@ -69,105 +77,97 @@ class OPDTrainer(GRPOTrainer):
             args = OPDConfig(output_dir=f"{student_name.split('/')[-1]}-OPD")
         if not isinstance(args, OPDConfig):
             raise TypeError(f"OPDTrainer needs an OPDConfig, got {type(args).__name__}.")
-        check_prompt_dataset(train_dataset, name="train_dataset")
-        for split, dataset in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]):
-            check_prompt_dataset(dataset, name=f"eval_dataset{f'[{split!r}]' if split else ''}")
-
-        teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
-        if teacher_model is not None and args.teacher_server_url:
-            raise ValueError("Pass either a teacher model or `teacher_server_url`, not both.")
-        if teacher_model is None and not args.teacher_server_url:
-            raise ValueError(
-                "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set "
-                "`teacher_model_name_or_path` or `teacher_server_url` in the OPDConfig."
-            )
+        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
+        self._check_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
                 student_name, padding_side="left", truncation_side="left", trust_remote_code=args.trust_remote_code
             )
-        teacher_batch_size = args.teacher_batch_size or args.per_device_train_batch_size
+        student_tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
         if args.teacher_server_url:
-            served_teacher = VLLMServerTeacher.from_env(
-                args.teacher_server_url,
-                api_key_env=args.teacher_server_api_key_env,
-                batch_size=teacher_batch_size,
-                timeout=(10.0, args.teacher_server_timeout),
-                max_retries=args.teacher_server_max_retries,
+            served = connect_served_teacher(
+                args.teacher_server_url, args, student_tokenizer=student_tokenizer, student_name=student_name
             )
-            served_teacher.connect(getattr(processing_class, "tokenizer", processing_class), student_name=student_name)
-        else:
-            teacher_model = self._check_and_load_teacher(
-                model, teacher_model, args, student_name, processing_class, teacher_processing_class
+        elif teacher_model is not None:
+            teacher_model = load_local_teacher(
+                teacher_model, args, student=model, student_name=student_name, student_tokenizer=student_tokenizer,
+                teacher_tokenizer=teacher_processing_class,
             )
 
-        super().__init__(
-            model=model,
-            reward_funcs=[_teacher_only],
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-        )
-        self.reward_funcs, self.reward_func_names, self.reward_processing_classes = [], [], []
-        self.reward_weights = torch.ones(0)
-
+        user_beta = args.beta
+        if args.ref_as_teacher and user_beta == 0.0:
+            args.beta = _BUILD_REFERENCE_BETA  # GRPO builds (or, for PEFT, designates) its reference only for beta > 0
+        try:
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs or [_teacher_only],
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+            )
+        finally:
+            args.beta = user_beta
+        self.beta = user_beta  # no KL penalty unless asked for; the reference teacher computes its own log-probs
+        if not reward_funcs:
+            self.reward_funcs, self.reward_func_names, self.reward_processing_classes = [], [], []
+            self.reward_weights = torch.ones(0)
         if args.opd_objective == "importance_sampling":
             # clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly
             self.epsilon_low, self.epsilon_high = 1.0, float("inf")
 
+        self.teacher_model = None
         self.teacher: TeacherScorer
         if args.teacher_server_url:
-            self.teacher_model, self.teacher = None, served_teacher
+            self.teacher = served
+        elif args.ref_as_teacher or args.teacher_is_student_base:
+            self.teacher = ReferenceTeacher(self._reference_logps)
         else:
-            self.teacher_model = self._prepare_teacher(freeze_teacher(teacher_model))
+            frozen = freeze_teacher(teacher_model, temperature=args.teacher_temperature)
+            self.teacher_model = self._prepare_teacher(frozen)
             self.teacher = LocalTeacher(
-                self.teacher_model, batch_size=teacher_batch_size, autocast=self.accelerator.autocast
+                self.teacher_model,
+                batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
+                autocast=self.accelerator.autocast,
             )
-        self._completion_tokens_total = 0
-        self._window_tokens = 0
-        self._window_start: float | None = None
+        self._init_opd_metrics()
 
     # ------------------------------------------------------------------ set-up
 
     @staticmethod
-    def _check_and_load_teacher(model, teacher_model, args, student_name, processing_class, teacher_processing_class):
-        """Check the pair fits before loading any weights, then load the teacher if it is a path."""
-        teacher_name = teacher_model if isinstance(teacher_model, str) else get_config_model_id(teacher_model.config)
-        student_tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if teacher_processing_class is None:
-            teacher_processing_class = (
-                AutoTokenizer.from_pretrained(teacher_name, trust_remote_code=args.trust_remote_code)
-                if teacher_name
-                else student_tokenizer
+    def _check_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config) -> None:
+        """Everything that can be wrong with the inputs, before any weights load."""
+        evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
+        datasets = [("train_dataset", train_dataset)] + [(f"eval_dataset{k and f'[{k!r}]'}", d) for k, d in evals]
+        for name, dataset in datasets:
+            check_prompt_dataset(dataset, name=name, teacher_prompt_column=args.teacher_prompt_column)
+        other_sources = args.teacher_server_url or args.ref_as_teacher or args.teacher_is_student_base
+        if teacher_model is not None and other_sources:
+            raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
+        if teacher_model is None and not args.teacher_model_name_or_path and not other_sources:
+            raise ValueError(
+                "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set one of "
+                "`teacher_model_name_or_path`, `teacher_server_url`, `ref_as_teacher` or `teacher_is_student_base`."
             )
-        check_tokenizers_compatible(
-            student_tokenizer,
-            getattr(teacher_processing_class, "tokenizer", teacher_processing_class),
-            student_name=student_name,
-            teacher_name=teacher_name,
-        )
-
-        def vocab_size(m) -> int:  # from the config alone: no weights are loaded yet
-            remote = args.trust_remote_code
-            config = AutoConfig.from_pretrained(m, trust_remote_code=remote) if isinstance(m, str) else m.config
-            return config.get_text_config().vocab_size
-
-        check_vocab_sizes(
-            student_vocab_size=vocab_size(model),
-            teacher_vocab_size=vocab_size(teacher_model),
-            student_name=student_name,
-            teacher_name=teacher_name,
-        )
-        if not isinstance(teacher_model, str):
-            return teacher_model
-        init_kwargs = dict(args.teacher_model_init_kwargs or {})
-        init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-        if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
-            init_kwargs["device_map"] = None  # "auto" fails under distributed training
-        return create_model_from_path(teacher_model, **init_kwargs)
+        if args.teacher_is_student_base and peft_config is None and not is_peft_model(model):
+            raise ValueError(
+                "teacher_is_student_base needs a PEFT student (pass `peft_config`, or `use_peft: true` in a recipe): "
+                "the teacher is the student's base model with its adapter disabled."
+            )
+        if (args.ref_as_teacher or args.teacher_is_student_base) and args.teacher_temperature != 1.0:
+            raise ValueError(
+                "teacher_temperature does not apply to ref_as_teacher / teacher_is_student_base: those teachers score "
+                "at the student's `temperature`, so the student starts equal to its teacher."
+            )
+        if reward_funcs and args.num_generations < 2:
+            raise ValueError(
+                "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
+                f"set num_generations >= 2 (got {args.num_generations})."
+            )
 
     def _prepare_teacher(self, teacher: torch.nn.Module) -> torch.nn.Module:
         """Place the teacher the way GRPO places its reference model: sharded under ZeRO-3/FSDP, else on device."""
@@ -176,6 +176,24 @@ class OPDTrainer(GRPOTrainer):
         if self.is_fsdp_enabled:
             return prepare_fsdp(teacher, self.accelerator)
         return self.accelerator.prepare_model(teacher, evaluation_mode=True)
+
+    def _reference_logps(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+        """Log-probs of the student's starting point: GRPO's reference model, or the student with its adapter off."""
+        model, adapter = self.model, None
+        if self.args.ref_as_teacher and self.ref_model is not None:
+            model = self.ref_model
+        elif self.args.ref_as_teacher and "ref" in self.accelerator.unwrap_model(self.model).peft_config:
+            adapter = "ref"  # a student that came with a trained adapter: GRPO keeps a frozen copy as "ref"
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            context = (
+                use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=adapter)
+                if model is self.model else nullcontext()
+            )
+            with context:
+                logps, _, _ = self._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
+                )
+        return logps
 
     # ------------------------------------------------------------------ scoring
 
@@ -188,25 +206,50 @@ class OPDTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
-        for name in _REWARD_METRICS:
-            self._metrics[mode].pop(name, None)
+        if not self.reward_funcs:
+            for name in _REWARD_METRICS:
+                self._metrics[mode].pop(name, None)
 
-        prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         mask = completion_mask * output["tool_mask"] if "tool_mask" in output else completion_mask  # (B, T)
         if output.get("old_per_token_logps") is None:
-            old = self._student_logps(prompt_ids, prompt_mask, completion_ids, completion_mask)
-            output["old_per_token_logps"] = old
+            output["old_per_token_logps"] = self._student_logps(
+                output["prompt_ids"], output["prompt_mask"], completion_ids, completion_mask
+            )
         old_per_token_logps = output["old_per_token_logps"]  # (B, T)
-        scores = self.teacher.score(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        scores = self._score_with_teacher(inputs, output)
         self._check_finite(scores.logps, old_per_token_logps, mask)
 
-        advantages = opd_advantages(
+        teacher_advantages = opd_advantages(
             scores.logps, old_per_token_logps, mask, coef=self.args.opd_coef, discount=self.args.kl_discount_factor
         )  # (B, T)
-        output["advantages"] = advantages
-        self._log_opd_metrics(mode, scores, old_per_token_logps, advantages, mask)
+        if not self.reward_funcs:
+            output["advantages"] = teacher_advantages
+        elif self.args.opd_reward_combination == "advantage":
+            reward_advantages = output["advantages"][:, None] * mask  # (B, 1) -> (B, T)
+            output["advantages"] = reward_advantages + self.args.opd_loss_coef * teacher_advantages
+        else:
+            output["teacher_advantages"] = teacher_advantages
+        self._log_opd_metrics(mode, scores, old_per_token_logps, teacher_advantages, mask)
         return output
+
+    def _score_with_teacher(self, inputs, output) -> TeacherScores:
+        if self.args.ref_as_teacher and "ref_per_token_logps" in output:
+            return TeacherScores(logps=output["ref_per_token_logps"])  # GRPO already computed them for its KL term
+        prompt_ids, prompt_mask = self._teacher_prompts(inputs, output)
+        return self.teacher.score(prompt_ids, prompt_mask, output["completion_ids"], output["completion_mask"])
+
+    def _teacher_prompts(self, inputs, output) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message or column)."""
+        column, system = self.args.teacher_prompt_column, self.args.teacher_system_prompt
+        if column is None and system is None:
+            return output["prompt_ids"], output["prompt_mask"]
+        prompts = [row[column] if column else _with_system_message(row["prompt"], system) for row in inputs]
+        prompt_ids = [torch.tensor(ids) for ids in self._tokenize_prompts(prompts)[0]]
+        device = output["prompt_ids"].device
+        padded = pad(prompt_ids, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
+        mask = pad([torch.ones_like(ids) for ids in prompt_ids], padding_value=0, padding_side="left").to(device)
+        return padded, mask
 
     def _student_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         """log pi_old of the sampled tokens, when GRPO did not already compute them (on-policy, no vLLM)."""
@@ -234,44 +277,61 @@ class OPDTrainer(GRPOTrainer):
                 "checkpoint is intact. Check the teacher's dtype (float16 overflows) and its weights."
             )
 
-    def _log_opd_metrics(self, mode, scores, old_per_token_logps, advantages, mask) -> None:
-        sums = opd_metric_sums(
-            teacher_per_token_logps=scores.logps,
-            old_per_token_logps=old_per_token_logps,
-            advantages=advantages,
-            mask=mask,
-            teacher_is_top1=scores.is_top1,
-            teacher_entropy=scores.entropy,
-        )
-        num_sequences = torch.tensor(float(mask.size(0)), device=sums.device)
-        sums = self.accelerator.reduce(torch.cat([sums, num_sequences[None]]), reduction="sum")
-        sums, num_sequences = sums[:-1], sums[-1].item()
-        for name, value in opd_metrics_from_sums(sums).items():
-            self._metrics[mode][name].append(value)
-        num_tokens = int(sums[0].item())
-        self._metrics[mode]["data/completion_tokens_mean"].append(num_tokens / max(num_sequences, 1.0))
-        if mode == "train":
-            self._completion_tokens_total += num_tokens
-            self._window_tokens += num_tokens
+    # ------------------------------------------------------------------ loss
 
-        # GRPO filled the completions table with the (zero) reward advantages of this batch: show the teacher's
-        sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        gathered = self.accelerator.gather(sequence_advantage).tolist()
-        for _ in gathered:
-            self._logs["advantages"].pop()
-        self._logs["advantages"].extend(gathered)
+    def _compute_loss(self, model, inputs):
+        if "teacher_advantages" not in inputs:  # teacher only, or advantages already summed
+            return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        with self._one_student_forward():
+            rl_loss = super()._compute_loss(model, inputs)
+            if self.args.opd_loss_coef == 0.0:
+                return rl_loss
+            with self._policy_term_only(mode):
+                opd_loss = super()._compute_loss(model, {**inputs, "advantages": inputs["teacher_advantages"]})
+        self._metrics[mode]["rl/loss"].append(self.accelerator.gather(rl_loss.detach()).mean().item())
+        self._metrics[mode]["opd/loss"].append(self.accelerator.gather(opd_loss.detach()).mean().item())
+        return rl_loss + self.args.opd_loss_coef * opd_loss
 
-    # ------------------------------------------------------------------ logging
+    @contextmanager
+    def _one_student_forward(self):
+        """Within the block, the student's log-probs are computed once and reused: two objectives, one forward."""
+        cache = {}
+        compute = self._get_per_token_logps_and_entropies
 
-    def training_step(self, model, inputs, num_items_in_batch):
-        if self._window_start is None:
-            self._window_start = time.perf_counter()
-        return super().training_step(model, inputs, num_items_in_batch)
+        def once(*args, **kwargs):
+            if "result" not in cache:
+                cache["result"] = compute(*args, **kwargs)
+            return cache["result"]
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training and self._window_tokens and self._window_start is not None:
-            now = time.perf_counter()
-            logs["data/completion_tokens_per_second"] = self._window_tokens / (now - self._window_start)
-            logs["data/completion_tokens_total"] = self._completion_tokens_total
-            self._window_tokens, self._window_start = 0, now
-        super().log(logs, start_time)
+        self._get_per_token_logps_and_entropies = once
+        try:
+            yield
+        finally:
+            del self._get_per_token_logps_and_entropies
+
+    @contextmanager
+    def _policy_term_only(self, mode: str):
+        """The second objective adds only its clipped policy term: the KL penalty, entropy bonus and MoE auxiliary
+        loss are already in the first. Its clip-ratio metrics are logged under `opd/`."""
+        saved = self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled
+        self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = 0.0, False, False
+        lengths = {name: len(values) for name, values in self._metrics[mode].items()}
+        try:
+            yield
+        finally:
+            self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = saved
+            for name in [n for n, values in self._metrics[mode].items() if len(values) > lengths.get(n, 0)]:
+                added = self._metrics[mode][name][lengths.get(name, 0):]
+                del self._metrics[mode][name][lengths.get(name, 0):]
+                if name.startswith("clip_ratio/"):
+                    self._metrics[mode][f"opd/{name}"].extend(added)
+
+
+def _with_system_message(prompt, system: str):
+    """`prompt` (text or chat messages) with a teacher-only system message in front of it."""
+    if isinstance(prompt, str):
+        return f"{system}\n\n{prompt}"
+    if prompt and prompt[0]["role"] == "system":
+        return [{"role": "system", "content": f"{system}\n\n{prompt[0]['content']}"}, *prompt[1:]]
+    return [{"role": "system", "content": system}, *prompt]

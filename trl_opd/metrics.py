@@ -1,0 +1,62 @@
+"""The `opd/*` and `data/*` metrics of OPDTrainer, kept apart from its scoring and loss hooks.
+
+Values come from the pure functions in `loss.py`, are reduced across processes, and go through GRPO's metric store.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .loss import opd_metric_sums, opd_metrics_from_sums
+
+
+class OPDMetricsMixin:
+    """Mixed into OPDTrainer before GRPOTrainer: `training_step` and `log` call `super()`."""
+
+    def _init_opd_metrics(self) -> None:
+        self._completion_tokens_total = 0
+        self._window_tokens = 0
+        self._window_start: float | None = None
+
+    def _log_opd_metrics(self, mode, scores, old_per_token_logps, advantages, mask) -> None:
+        sums = opd_metric_sums(
+            teacher_per_token_logps=scores.logps,
+            old_per_token_logps=old_per_token_logps,
+            advantages=advantages,
+            mask=mask,
+            teacher_is_top1=scores.is_top1,
+            teacher_entropy=scores.entropy,
+        )
+        num_sequences = torch.tensor([float(mask.size(0))], device=sums.device)
+        sums = self.accelerator.reduce(torch.cat([sums, num_sequences]), reduction="sum")
+        sums, num_sequences = sums[:-1], sums[-1].item()
+        for name, value in opd_metrics_from_sums(sums).items():
+            self._metrics[mode][name].append(value)
+        num_tokens = int(sums[0].item())
+        self._metrics[mode]["data/completion_tokens_mean"].append(num_tokens / max(num_sequences, 1.0))
+        if mode == "train":
+            self._completion_tokens_total += num_tokens
+            self._window_tokens += num_tokens
+
+        if not self.reward_funcs:
+            # GRPO filled the completions table with this batch's (zero) reward advantages: show the teacher's
+            sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            gathered = self.accelerator.gather(sequence_advantage).tolist()
+            for _ in gathered:
+                self._logs["advantages"].pop()
+            self._logs["advantages"].extend(gathered)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training and self._window_tokens and self._window_start is not None:
+            now = time.perf_counter()
+            logs["data/completion_tokens_per_second"] = self._window_tokens / (now - self._window_start)
+            logs["data/completion_tokens_total"] = self._completion_tokens_total
+            self._window_tokens, self._window_start = 0, now
+        super().log(logs, start_time)

@@ -1,0 +1,97 @@
+"""Turn what the user configured into a teacher, checking the student/teacher pair before any weights load."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer
+from trl.trainer.utils import create_model_from_path, get_config_model_id
+
+from ..checks import check_tokenizers_compatible, check_vocab_sizes
+from .vllm_server import VLLMServerTeacher
+
+
+def is_server_url(name) -> bool:
+    return isinstance(name, str) and name.startswith(("http://", "https://"))
+
+
+def load_local_teacher(teacher, args, *, student, student_name: str, student_tokenizer, teacher_tokenizer=None):
+    """Check the pair fits (tokenizers, vocabulary sizes, adapter base) from configs alone, then load the teacher.
+
+    `teacher` is a path/Hub id or a model. With `args.teacher_adapter_name_or_path`, the adapter is loaded onto it
+    and merged, so scoring runs one plain model.
+    """
+    remote = args.trust_remote_code
+    teacher_name = teacher if isinstance(teacher, str) else get_config_model_id(teacher.config)
+    if teacher_tokenizer is None and teacher_name:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_name, trust_remote_code=remote)
+    check_tokenizers_compatible(
+        student_tokenizer,
+        getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer) or student_tokenizer,
+        student_name=student_name,
+        teacher_name=teacher_name,
+    )
+
+    def vocab_size(m) -> int:
+        config = AutoConfig.from_pretrained(m, trust_remote_code=remote) if isinstance(m, str) else m.config
+        return config.get_text_config().vocab_size
+
+    check_vocab_sizes(
+        student_vocab_size=vocab_size(student), teacher_vocab_size=vocab_size(teacher),
+        student_name=student_name, teacher_name=teacher_name,
+    )
+    adapter = args.teacher_adapter_name_or_path
+    if adapter is not None:
+        check_adapter_base(adapter, teacher_name)
+    if isinstance(teacher, str):
+        init_kwargs = dict(args.teacher_model_init_kwargs or {})
+        init_kwargs.setdefault("trust_remote_code", remote)
+        if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+            init_kwargs["device_map"] = None  # "auto" fails under distributed training
+        teacher = create_model_from_path(teacher, **init_kwargs)
+    if adapter is not None:
+        from peft import PeftModel
+
+        teacher = PeftModel.from_pretrained(teacher, adapter).merge_and_unload()
+    return teacher
+
+
+def check_adapter_base(adapter: str, teacher_name: str) -> None:
+    """A teacher adapter must exist and have been trained on the teacher's base model."""
+    config_file = Path(adapter) / "adapter_config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(
+            f"teacher_adapter_name_or_path {adapter!r} has no adapter_config.json: give the directory a PEFT adapter "
+            "was saved to (`model.save_pretrained(...)` on a PeftModel)."
+        )
+    base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+
+    def same(a: str, b: str) -> bool:
+        local = os.path.exists(a) and os.path.exists(b)
+        return os.path.realpath(a) == os.path.realpath(b) if local else a.rstrip("/") == b.rstrip("/")
+
+    if base and teacher_name and not same(base, teacher_name):
+        raise ValueError(
+            f"The teacher adapter {adapter!r} was trained on {base!r}, but the teacher base model is "
+            f"{teacher_name!r}. Load it onto the model it was trained on (set teacher_model_name_or_path to {base!r})."
+        )
+
+
+def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str) -> VLLMServerTeacher:
+    """A client for the teacher servers at `urls`, checked for health and tokenizer agreement."""
+    if args.teacher_temperature != 1.0:
+        raise ValueError(
+            "teacher_temperature applies to local teachers only: a vLLM server returns raw log-probs and cannot "
+            "renormalise them at another temperature. Serve the teacher locally, or keep teacher_temperature at 1."
+        )
+    teacher = VLLMServerTeacher.from_env(
+        urls,
+        api_key_env=args.teacher_server_api_key_env,
+        batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
+        timeout=(10.0, args.teacher_server_timeout),
+        max_retries=args.teacher_server_max_retries,
+    )
+    teacher.connect(student_tokenizer, student_name=student_name)
+    return teacher
