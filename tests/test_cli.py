@@ -57,3 +57,22 @@ def test_prompt_column_is_mapped_and_wrapped_as_a_chat_message(tmp_path):
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 plus 2?"},
     ]
+
+
+def test_check_preflight_prints_zero_reference_kl_on_the_smoke_recipe(tiny, tmp_path, capsys):
+    argv = [
+        "check", "--config", SMOKE,
+        "--model_name_or_path", str(tiny / "student"),
+        "--teacher_model_name_or_path", str(tiny / "teacher"),
+        "--dataset_name", str(tiny / "train.jsonl"),
+        "--output_dir", str(tmp_path / "unused"),
+    ]
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_code.value.code == 0
+    assert "reference as teacher: opd/reverse_kl = 0.000000 (OK, 0 as expected)" in out
+    assert "tokenizers: the student and the teacher agree" in out
+    assert "first prompt, student's chat template: '<|im_start|>user\\nWhat is" in out
+    reverse_kl = float(out.split("recipe's teacher:")[1].split("opd/reverse_kl = ")[1].split(",")[0])
+    assert reverse_kl > 1.0  # the real teacher is far from the tiny student

@@ -86,6 +86,26 @@ def test_served_teacher_equal_to_student_gives_zero_kl(teacher_server, tiny, pro
     assert first["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-4)
 
 
+def test_rows_routed_to_a_served_and_a_local_teacher(teacher_server, tiny, make_config):
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in open(tiny / "train.jsonl")][:8]
+    routes = ["local", "served"] * 4
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "teacher": t} for r, t in zip(rows, routes, strict=True)])
+    teachers = {"local": str(tiny / "teacher"), "served": teacher_server}
+    trainer = OPDTrainer(model=str(tiny / "student"), args=make_config(max_steps=1, teachers=teachers),
+                         train_dataset=dataset)
+    batch = _padded_batch()
+    routes = ["local", "served", "local", "served", "served"]
+    routed = trainer.teacher.score(*batch, routes=routes)
+    local = trainer.teacher.scorers["local"].score(*batch)
+    mask = batch[3].bool()
+    assert (routed.logps[mask] - local.logps[mask]).abs().max() < 1e-4  # same model behind both routes
+    assert routed.entropy is None and routed.is_top1 is not None  # entropy only if every route gives it
+    trainer.train()
+    assert math.isfinite(_opd_logs(trainer)[0]["opd/reverse_kl"])
+
+
 def test_student_with_another_tokenizer_is_refused_at_start_up(teacher_server, prompts, make_config, tmp_path):
     from trl_opd.testing import build_model, build_tokenizer
 

@@ -4,6 +4,7 @@
     accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/smoke_cpu.yaml
     trl-opd make-tiny artifacts/tiny                                    # the local models the smoke recipe uses
     trl-opd serve-teacher MODEL [--port 8000] [vllm args]               # a vLLM server for teacher_server_url
+    trl-opd check --config recipes/smoke_cpu.yaml                       # one-batch preflight of a recipe
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def load_prompts(script_args: OPDScriptArguments, split: str):
     return dataset
 
 
-def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig):
-    """Build an OPDTrainer from parsed recipe arguments, train, save, and push if `push_to_hub` is set."""
+def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig,
+                  train_dataset=None):
+    """An OPDTrainer from parsed recipe arguments (the recipe's train split unless `train_dataset` is given)."""
     from trl import get_peft_config
 
     from .trainer import OPDTrainer
@@ -92,17 +94,23 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
-    train_dataset = load_prompts(script_args, script_args.dataset_train_split)
+    if train_dataset is None:
+        train_dataset = load_prompts(script_args, script_args.dataset_train_split)
     eval_dataset = (
         load_prompts(script_args, script_args.dataset_test_split) if training_args.eval_strategy != "no" else None
     )
-    trainer = OPDTrainer(
+    return OPDTrainer(
         model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
     )
+
+
+def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig):
+    """Build an OPDTrainer from parsed recipe arguments, train, save, and push if `push_to_hub` is set."""
+    trainer = build_trainer(script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Saved the trained {'adapter' if model_args.use_peft else 'model'} to "
@@ -122,6 +130,11 @@ def main(argv: list[str] | None = None) -> None:
         from .serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["check"]:
+        from .preflight import check
+
+        report = check(*make_parser().parse_args_and_config(argv[1:]))
+        sys.exit(0 if report["ok"] else 1)
     if argv[:1] == ["train"]:
         argv = argv[1:]
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)

@@ -35,7 +35,7 @@ class OPDConfig(GRPOConfig):
     Unlike GRPO, `num_generations=1` is allowed: the teacher signal needs no group of completions per prompt.
     """
 
-    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs"]
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs", "teachers"]
 
     teacher_model_name_or_path: str | None = field(
         default=None,
@@ -115,6 +115,18 @@ class OPDConfig(GRPOConfig):
             "(self-distillation, no second copy of the weights)."
         },
     )
+    teachers: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Several teachers by name, each a local path/Hub id or a server URL (or a list of URLs), e.g. "
+            "{\"math\": \"Qwen/Qwen3-8B\", \"code\": \"http://10.0.0.7:8000\"}. Each row is scored by the "
+            "teacher its `teacher_route_column` names."
+        },
+    )
+    teacher_route_column: str = field(
+        default="teacher",
+        metadata={"help": "With `teachers`: the dataset column naming the teacher that scores each row."},
+    )
     teacher_temperature: float = field(
         default=1.0,
         metadata={
@@ -184,6 +196,7 @@ class OPDConfig(GRPOConfig):
             "teacher_server_url": self.teacher_server_url,
             "ref_as_teacher": self.ref_as_teacher,
             "teacher_is_student_base": self.teacher_is_student_base,
+            "teachers": self.teachers,
         }
         chosen = [name for name, value in sources.items() if value]
         if len(chosen) > 1:

@@ -24,9 +24,10 @@ from .config import OPDConfig
 from .loss import opd_advantages
 from .metrics import OPDMetricsMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
-from .teachers.loading import connect_served_teacher, load_local_teacher
+from .teachers.loading import connect_served_teacher, is_server_url, load_local_teacher
 from .teachers.local import freeze_teacher
 from .teachers.reference import ReferenceTeacher
+from .teachers.routed import RoutedTeacher
 
 # Metrics GRPO derives from rewards; meaningless (all NaN or 0) when the teacher is the only signal
 _REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")
@@ -85,15 +86,21 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             )
         student_tokenizer = getattr(processing_class, "tokenizer", processing_class)
         teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
+        sources = dict(args.teachers or {})  # name -> local model or server URL(s), loaded before any student weights
         if args.teacher_server_url:
-            served = connect_served_teacher(
-                args.teacher_server_url, args, student_tokenizer=student_tokenizer, student_name=student_name
-            )
+            sources = {"teacher": args.teacher_server_url}
         elif teacher_model is not None:
-            teacher_model = load_local_teacher(
-                teacher_model, args, student=model, student_name=student_name, student_tokenizer=student_tokenizer,
-                teacher_tokenizer=teacher_processing_class,
-            )
+            sources = {"teacher": teacher_model}
+        for name, source in sources.items():
+            if _is_served(source):
+                sources[name] = connect_served_teacher(
+                    source, args, student_tokenizer=student_tokenizer, student_name=student_name
+                )
+            else:
+                sources[name] = load_local_teacher(
+                    source, args, student=model, student_name=student_name, student_tokenizer=student_tokenizer,
+                    teacher_tokenizer=teacher_processing_class,
+                )
 
         user_beta = args.beta
         if args.ref_as_teacher and user_beta == 0.0:
@@ -120,20 +127,25 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             # clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly
             self.epsilon_low, self.epsilon_high = 1.0, float("inf")
 
-        self.teacher_model = None
-        self.teacher: TeacherScorer
-        if args.teacher_server_url:
-            self.teacher = served
-        elif args.ref_as_teacher or args.teacher_is_student_base:
-            self.teacher = ReferenceTeacher(self._reference_logps)
-        else:
-            frozen = freeze_teacher(teacher_model, temperature=args.teacher_temperature)
-            self.teacher_model = self._prepare_teacher(frozen)
-            self.teacher = LocalTeacher(
-                self.teacher_model,
+        # the frozen local teachers by name (a single teacher is "teacher"), and the scorer the trainer calls
+        self.teacher_models = {name: self._prepare_teacher(freeze_teacher(source, temperature=args.teacher_temperature))
+                               for name, source in sources.items() if isinstance(source, torch.nn.Module)}
+        self.teacher_model = self.teacher_models.get("teacher")
+        scorers = {
+            name: LocalTeacher(
+                self.teacher_models[name],
                 batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
                 autocast=self.accelerator.autocast,
-            )
+            ) if name in self.teacher_models else source
+            for name, source in sources.items()
+        }
+        self.teacher: TeacherScorer | RoutedTeacher
+        if args.ref_as_teacher or args.teacher_is_student_base:
+            self.teacher = ReferenceTeacher(self._reference_logps)
+        elif args.teachers:
+            self.teacher = RoutedTeacher(scorers)
+        else:
+            self.teacher = scorers["teacher"]
         self._init_opd_metrics()
 
     # ------------------------------------------------------------------ set-up
@@ -145,15 +157,17 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         datasets = [("train_dataset", train_dataset)] + [(f"eval_dataset{k and f'[{k!r}]'}", d) for k, d in evals]
         for name, dataset in datasets:
             check_prompt_dataset(dataset, name=name, teacher_prompt_column=args.teacher_prompt_column)
-        other_sources = args.teacher_server_url or args.ref_as_teacher or args.teacher_is_student_base
+        other_sources = args.teacher_server_url or args.ref_as_teacher or args.teacher_is_student_base or args.teachers
         if teacher_model is not None and other_sources:
             raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
         if teacher_model is None and not args.teacher_model_name_or_path and not other_sources:
             raise ValueError(
                 "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set one of "
-                "`teacher_model_name_or_path`, `teacher_server_url`, `ref_as_teacher` or `teacher_is_student_base`."
+                "`teacher_model_name_or_path`, `teacher_server_url`, `teachers`, `ref_as_teacher` or "
+                "`teacher_is_student_base`."
             )
-        if args.teacher_is_student_base and peft_config is None and not is_peft_model(model):
+        peft_student = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
+        if args.teacher_is_student_base and not peft_student:
             raise ValueError(
                 "teacher_is_student_base needs a PEFT student (pass `peft_config`, or `use_peft: true` in a recipe): "
                 "the teacher is the student's base model with its adapter disabled."
@@ -163,6 +177,8 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 "teacher_temperature does not apply to ref_as_teacher / teacher_is_student_base: those teachers score "
                 "at the student's `temperature`, so the student starts equal to its teacher."
             )
+        if args.teachers:
+            _check_routes(datasets, args)
         if reward_funcs and args.num_generations < 2:
             raise ValueError(
                 "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
@@ -237,7 +253,10 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         if self.args.ref_as_teacher and "ref_per_token_logps" in output:
             return TeacherScores(logps=output["ref_per_token_logps"])  # GRPO already computed them for its KL term
         prompt_ids, prompt_mask = self._teacher_prompts(inputs, output)
-        return self.teacher.score(prompt_ids, prompt_mask, output["completion_ids"], output["completion_mask"])
+        batch = (prompt_ids, prompt_mask, output["completion_ids"], output["completion_mask"])
+        if self.args.teachers:
+            return self.teacher.score(*batch, routes=[row[self.args.teacher_route_column] for row in inputs])
+        return self.teacher.score(*batch)
 
     def _teacher_prompts(self, inputs, output) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message or column)."""
@@ -326,6 +345,34 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 del self._metrics[mode][name][lengths.get(name, 0):]
                 if name.startswith("clip_ratio/"):
                     self._metrics[mode][f"opd/{name}"].extend(added)
+
+
+def _is_served(source) -> bool:
+    return is_server_url(source) or (isinstance(source, list) and all(is_server_url(url) for url in source))
+
+
+def _check_routes(datasets, args) -> None:
+    """Every row must name a configured teacher in the routing column."""
+    if args.distributed_state.distributed_type == "DEEPSPEED" and not all(map(_is_served, args.teachers.values())):
+        raise NotImplementedError(
+            "Routing between local teachers under DeepSpeed is not supported yet: ZeRO-3 needs every rank to run the "
+            "same number of forwards of each teacher. Serve the teachers (`trl-opd serve-teacher`) and route to URLs."
+        )
+    column = args.teacher_route_column
+    for name, dataset in datasets:
+        columns = getattr(dataset, "column_names", None)
+        if dataset is None or columns is None:
+            continue
+        if column not in columns:
+            raise ValueError(
+                f"{name} has no {column!r} column (columns: {columns}) to route rows to teachers "
+                f"{sorted(args.teachers)}. Add it, or set teacher_route_column."
+            )
+        unknown = sorted(set(dataset[column]) - set(args.teachers))
+        if unknown:
+            raise ValueError(
+                f"{name} routes rows to {unknown}, which are not among the configured teachers {sorted(args.teachers)}."
+            )
 
 
 def _with_system_message(prompt, system: str):

@@ -1,0 +1,319 @@
+"""Teacher variants (reference, student base, adapter, teacher-only prompt, temperature) and RL + OPD mixing."""
+
+import json
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+
+from trl_opd import OPDTrainer
+
+
+def _first(trainer, key="opd/reverse_kl"):
+    return next(entry for entry in trainer.state.log_history if key in entry)
+
+
+def _lora():
+    return LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+
+
+# ------------------------------------------------------------------------------------------ reference as teacher
+
+
+@pytest.mark.parametrize("use_peft, beta", [(False, 0.0), (True, 0.0), (False, 0.04)], ids=["full", "lora", "beta"])
+def test_reference_as_teacher_gives_zero_kl_at_the_first_step(tiny, prompts, make_config, use_peft, beta):
+    config = make_config(max_steps=2, ref_as_teacher=True, beta=beta, learning_rate=1e-2)
+    trainer = OPDTrainer(
+        model=str(tiny / "student"), args=config, train_dataset=prompts, peft_config=_lora() if use_peft else None
+    )
+    assert trainer.teacher_model is None  # no second model beyond GRPO's own reference
+    assert (trainer.ref_model is None) == use_peft  # a PEFT student's reference is its adapter-disabled self
+    assert trainer.beta == beta  # no KL penalty was added for the teacher's sake
+    trainer.train()
+    first = _first(trainer)
+    assert first["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert first["opd/teacher_logp"] == pytest.approx(first["opd/student_logp"], abs=1e-5)
+    assert ("kl" in first) == (beta != 0.0)
+    _assert_teacher_stays_frozen_when_the_student_moves(trainer)
+
+
+def _assert_teacher_stays_frozen_when_the_student_moves(trainer):
+    ids = torch.tensor([[1, 263, 264, 201, 272, 260, 291, 287]])
+    mask = torch.ones_like(ids)
+    before = trainer.teacher.score(ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:]).logps
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            if parameter.requires_grad:
+                parameter.add_(torch.randn_like(parameter) * 0.5)
+    after = trainer.teacher.score(ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:]).logps
+    student = trainer._student_logps(ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:])
+    torch.testing.assert_close(after, before)
+    assert (student - before).abs().max() > 1e-3
+
+
+def test_student_base_as_teacher_self_distils_a_lora_student(tiny, prompts, make_config):
+    # a fresh adapter equals its base, so alone it has nothing to learn: with a teacher-only system prompt it is
+    # context distillation, the base with privileged context teaching the adapter to act without it
+    def run(**overrides):
+        config = make_config(max_steps=2, teacher_is_student_base=True, learning_rate=5e-2, **overrides)
+        trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts, peft_config=_lora())
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        trainer.train()
+        moved = any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
+        return trainer, moved
+
+    plain, plain_moved = run()
+    assert plain.teacher_model is None and plain.ref_model is None  # no second copy of the weights
+    assert _first(plain)["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-5) and not plain_moved
+    context, context_moved = run(teacher_system_prompt="Answer with the number only.")
+    assert abs(_first(context)["opd/reverse_kl"]) > 1e-3 and context_moved
+    _assert_teacher_stays_frozen_when_the_student_moves(context)
+
+
+def test_student_base_as_teacher_needs_a_peft_student(tiny, prompts, make_config):
+    with pytest.raises(ValueError, match="teacher_is_student_base needs a PEFT student"):
+        OPDTrainer(model=str(tiny / "student"), args=make_config(teacher_is_student_base=True), train_dataset=prompts)
+
+
+# ------------------------------------------------------------------------------------------- adapter teacher
+
+
+@pytest.fixture(scope="module")
+def teacher_adapter(tiny, tmp_path_factory):
+    """A LoRA adapter on the tiny student, with random (non-zero) weights: a 'domain expert' of the student's base."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny / "student"), _lora())
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    path = tmp_path_factory.mktemp("adapter") / "expert"
+    model.save_pretrained(path)
+    return path
+
+
+def test_adapter_teacher_scores_like_the_merged_expert(tiny, prompts, make_config, teacher_adapter):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(teacher_model_name_or_path=str(tiny / "student"),
+                         teacher_adapter_name_or_path=str(teacher_adapter))
+    trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts)
+    expert = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "student"), teacher_adapter)
+    ids = torch.tensor([[1, 263, 264, 201, 272, 260, 291, 287]])
+    mask = torch.ones_like(ids)
+    scores = trainer.teacher.score(ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:])
+    with torch.no_grad():
+        expected = expert(ids).logits.log_softmax(-1)[0, 3:-1].gather(-1, ids[0, 4:, None])[:, 0]
+    torch.testing.assert_close(scores.logps[0], expected, atol=1e-5, rtol=1e-5)
+    trainer.train()
+    assert _first(trainer)["opd/reverse_kl"] > 1e-3  # the expert differs from the plain student
+
+
+def test_adapter_teacher_errors(tiny, prompts, make_config, teacher_adapter, tmp_path):
+    missing = make_config(teacher_model_name_or_path=str(tiny / "student"),
+                          teacher_adapter_name_or_path=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
+        OPDTrainer(model=str(tiny / "student"), args=missing, train_dataset=prompts)
+    other_base = make_config(teacher_model_name_or_path=str(tiny / "teacher"),
+                             teacher_adapter_name_or_path=str(teacher_adapter))
+    with pytest.raises(ValueError, match=r"was trained on .*student.* but the teacher base model is .*teacher"):
+        OPDTrainer(model=str(tiny / "student"), args=other_base, train_dataset=prompts)
+
+
+# ------------------------------------------------------------------------------------ teacher-only prompt
+
+
+class _Recorder:
+    """Wraps the real scorer and records what it was asked to score (a spy, not a fake: scores are real)."""
+
+    def __init__(self, scorer):
+        self.scorer, self.calls = scorer, []
+
+    def score(self, *args):
+        self.calls.append([a.clone() for a in args])
+        return self.scorer.score(*args)
+
+
+def test_teacher_system_prompt_changes_only_the_teachers_context(tiny, tokenizer, prompts, make_config):
+    def run(**overrides):
+        trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "student"),
+                             args=make_config(max_steps=1, **overrides), train_dataset=prompts)
+        trainer.teacher = _Recorder(trainer.teacher)
+        trainer.train()
+        return trainer
+
+    plain, privileged = run(), run(teacher_system_prompt="Answer with the number only.")
+    prompt_ids, prompt_mask, completion_ids, _ = privileged.teacher.calls[0]
+    text = tokenizer.decode(prompt_ids[0][prompt_mask[0].bool()])
+    assert text.startswith("<|im_start|>system\nAnswer with the number only.<|im_end|>\n<|im_start|>user\nWhat is")
+    assert torch.equal(completion_ids, plain.teacher.calls[0][2])  # identical completion tokens, same seed
+    assert _first(plain)["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-5)  # teacher == student, same context
+    assert abs(_first(privileged)["opd/reverse_kl"]) > 1e-3  # same model, other context: a real signal
+
+
+def test_teacher_prompt_column(tiny, tokenizer, make_config):
+    rows = [json.loads(line) for line in open(tiny / "train.jsonl")][:8]
+    dataset = Dataset.from_list(
+        [{"prompt": row["prompt"], "teacher_prompt": [{"role": "user", "content": f"Hint: {row['answer']}"}]}
+         for row in rows]
+    )
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"),
+                         args=make_config(max_steps=1, teacher_prompt_column="teacher_prompt"), train_dataset=dataset)
+    trainer.teacher = _Recorder(trainer.teacher)
+    trainer.train()
+    prompt_ids, prompt_mask, _, _ = trainer.teacher.calls[0]
+    assert "Hint:" in tokenizer.decode(prompt_ids[0][prompt_mask[0].bool()])
+    with pytest.raises(ValueError, match="no 'teacher_prompt' column"):
+        OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"),
+                   args=make_config(teacher_prompt_column="teacher_prompt"), train_dataset=Dataset.from_list(rows))
+
+
+# -------------------------------------------------------------------------------------------- temperature
+
+
+def test_teacher_temperature_divides_the_teachers_logits(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from trl_opd.teachers import LocalTeacher
+    from trl_opd.teachers.local import freeze_teacher
+
+    ids = torch.tensor([[1, 263, 264, 201, 272, 260, 291, 287]])
+    mask = torch.ones_like(ids)
+    model = AutoModelForCausalLM.from_pretrained(tiny / "teacher")
+    with torch.no_grad():
+        expected = (model(ids).logits / 2.0).log_softmax(-1)[0, 3:-1].gather(-1, ids[0, 4:, None])[:, 0]
+    scores = LocalTeacher(freeze_teacher(model, temperature=2.0), batch_size=1).score(
+        ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:]
+    )
+    torch.testing.assert_close(scores.logps[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_teacher_temperature_is_refused_where_it_cannot_apply(make_config):
+    from trl_opd.teachers.loading import connect_served_teacher
+
+    with pytest.raises(ValueError, match="local teachers only"):
+        connect_served_teacher(["http://127.0.0.1:9"], make_config(teacher_temperature=0.5),
+                               student_tokenizer=None, student_name="s")
+
+
+# ------------------------------------------------------------------------------------------------ RL + OPD
+
+
+def _digits_reward(completions, **kwargs):
+    """A deterministic reward: the fraction of digits in the completion text."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def _constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def _mixed(tiny, prompts, make_config, reward, **overrides):
+    config = make_config(max_steps=1, num_generations=2, per_device_train_batch_size=4, **overrides)
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=config,
+                         train_dataset=prompts, reward_funcs=[reward] if reward else None)
+    trainer.train()
+    return _first(trainer, "loss")
+
+
+def test_reward_only_reproduces_grpo(tiny, prompts, make_config):
+    from trl import GRPOConfig, GRPOTrainer
+
+    opd = _mixed(tiny, prompts, make_config, _digits_reward, opd_loss_coef=0.0)
+    fields = {k: v for k, v in make_config(max_steps=1, num_generations=2).to_dict().items()
+              if k in GRPOConfig.__dataclass_fields__ and GRPOConfig.__dataclass_fields__[k].init}
+    fields.update(max_steps=1, num_generations=2, per_device_train_batch_size=4)
+    fields = {k: v for k, v in fields.items() if not k.startswith("_") and k not in ("generation_batch_size",
+                                                                                      "steps_per_generation")}
+    grpo = GRPOTrainer(model=str(tiny / "student"), reward_funcs=[_digits_reward], args=GRPOConfig(**fields),
+                       train_dataset=prompts)
+    grpo.train()
+    reference = _first(grpo, "loss")
+    assert opd["reward"] == pytest.approx(reference["reward"])  # same samples, same rewards
+    assert opd["loss"] == pytest.approx(reference["loss"], abs=1e-5)
+    assert opd["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("combination", ["loss", "advantage"])
+def test_teacher_only_reproduces_core_opd(tiny, prompts, make_config, combination):
+    # a constant reward has zero group-normalised advantage: only the teacher term is left
+    core = _mixed(tiny, prompts, make_config, None)
+    mixed = _mixed(tiny, prompts, make_config, _constant_reward, opd_reward_combination=combination)
+    assert mixed["loss"] == pytest.approx(core["loss"], abs=1e-5)
+    assert mixed["opd/reverse_kl"] == pytest.approx(core["opd/reverse_kl"], abs=1e-6)
+
+
+def test_both_parts_are_logged_and_the_two_combinations_differ_once_clipping_acts(tiny, prompts, make_config):
+    # a second pass over the same batch (num_iterations=2) sees ratios != 1, where clipping makes the two differ
+    def run(combination):
+        config = make_config(max_steps=2, num_generations=2, num_iterations=2, epsilon=0.02, learning_rate=5e-2,
+                             opd_loss_coef=0.5, opd_reward_combination=combination)
+        trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=config,
+                             train_dataset=prompts, reward_funcs=[_digits_reward])
+        trainer.train()
+        return [entry for entry in trainer.state.log_history if "loss" in entry and "learning_rate" in entry]
+
+    summed_losses, summed_advantages = run("loss"), run("advantage")
+    for entry in summed_losses:
+        assert entry["loss"] == pytest.approx(entry["rl/loss"] + 0.5 * entry["opd/loss"], abs=1e-5)
+    expected_metrics = {"reward", "reward_std", "rewards/_digits_reward/mean", "opd/clip_ratio/region_mean"}
+    assert expected_metrics <= set(summed_losses[0])
+    assert "rl/loss" not in summed_advantages[0]
+    # on-policy (ratio 1) the clipped objective is linear in the advantage: both agree; clipped, they do not
+    assert summed_advantages[0]["loss"] == pytest.approx(summed_losses[0]["loss"], abs=1e-5)
+    assert summed_losses[1]["opd/clip_ratio/region_mean"] > 0
+    assert abs(summed_advantages[1]["loss"] - summed_losses[1]["loss"]) > 1e-4
+
+
+def test_rewards_need_groups(tiny, prompts, make_config):
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=make_config(),
+                   train_dataset=prompts, reward_funcs=[_digits_reward])
+
+
+# ------------------------------------------------------------------------------------------ multi-teacher routing
+
+
+def _routed_prompts(tiny, routes):
+    rows = [json.loads(line) for line in open(tiny / "train.jsonl")][: len(routes)]
+    return Dataset.from_list([{"prompt": r["prompt"], "teacher": t} for r, t in zip(rows, routes, strict=True)])
+
+
+def test_each_row_is_scored_by_the_teacher_it_names(tiny, make_config):
+    teachers = {"expert": str(tiny / "teacher"), "self": str(tiny / "student")}
+    dataset = _routed_prompts(tiny, ["expert", "self"] * 4)
+    trainer = OPDTrainer(model=str(tiny / "student"), args=make_config(max_steps=1, teachers=teachers),
+                         train_dataset=dataset)
+    assert set(trainer.teacher_models) == {"expert", "self"}
+    scorers = trainer.teacher.scorers
+    ids = torch.tensor([[1, 263, 264, 201, 272, 260, 291, 287]] * 2)
+    mask = torch.ones_like(ids)
+    batch = (ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:])
+    routed = trainer.teacher.score(*batch, routes=["self", "expert"])
+    torch.testing.assert_close(routed.logps[0], scorers["self"].score(*batch).logps[0])
+    torch.testing.assert_close(routed.logps[1], scorers["expert"].score(*batch).logps[1])
+    assert not torch.allclose(routed.logps[0], routed.logps[1])
+
+    trainer.train()
+    assert math.isfinite(_first(trainer)["opd/reverse_kl"]) and "opd/teacher_entropy" in _first(trainer)
+    # only the "self" rows: teacher == student, so their KL is 0 and the batch KL is the experts' alone
+    self_only = OPDTrainer(model=str(tiny / "student"), args=make_config(max_steps=1, teachers=teachers),
+                           train_dataset=_routed_prompts(tiny, ["self"] * 8))
+    self_only.train()
+    assert _first(self_only)["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_routing_errors_before_training(tiny, prompts, make_config):
+    teachers = {"expert": str(tiny / "teacher")}
+    with pytest.raises(ValueError, match=r"no 'teacher' column .* to route rows to teachers \['expert'\]"):
+        OPDTrainer(model=str(tiny / "student"), args=make_config(teachers=teachers), train_dataset=prompts)
+    with pytest.raises(ValueError, match=r"routes rows to \['chemistry'\], which are not among .*\['expert'\]"):
+        OPDTrainer(model=str(tiny / "student"), args=make_config(teachers=teachers),
+                   train_dataset=_routed_prompts(tiny, ["expert", "chemistry"]))

@@ -1,0 +1,77 @@
+"""`trl-opd check --config recipe.yaml`: a one-batch preflight of a recipe, before the long run.
+
+It builds the recipe's trainer twice and scores one generation batch each time: once with the reference model (the
+student's own starting point) as the teacher, where `opd/reverse_kl` must be 0 if rollout, old log-probs and teacher
+scoring line up, and once with the recipe's teacher. Constructing the trainers runs the tokenizer checks; the chat
+template rendering of the first prompt is shown for student and teacher side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+from transformers import AutoTokenizer
+
+# Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
+_REFERENCE_PASS = dict(
+    ref_as_teacher=True, teacher_model_name_or_path=None, teacher_server_url=None, teacher_is_student_base=False,
+    teacher_adapter_name_or_path=None, teacher_temperature=1.0, teacher_system_prompt=None, teacher_prompt_column=None,
+)
+ZERO_KL_TOLERANCE = 1e-4
+
+
+def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple[dict, object]:
+    from .cli import build_trainer
+
+    trainer = build_trainer(script_args, training_args, model_args, train_dataset=dataset)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    trainer._generate_and_score_completions(batch)
+    metrics = trainer._metrics["train"]
+    return {name: sum(values) / len(values) for name, values in metrics.items() if name.startswith("opd/")}, trainer
+
+
+def _render(tokenizer, prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def check(script_args, training_args, model_args, *, echo=print) -> dict:
+    """Run the preflight and print a report; returns it, with `ok` False if the reference KL is not zero."""
+    from .cli import load_prompts
+    from .trainer import _with_system_message
+
+    dataset = load_prompts(script_args, script_args.dataset_train_split)
+    scratch = tempfile.mkdtemp(prefix="trl-opd-check-")
+    common = dict(max_steps=1, report_to="none", generation_batch_size=None, save_strategy="no", push_to_hub=False,
+                  output_dir=scratch, eval_strategy="no", log_completions=False)
+    reference_args = dataclasses.replace(training_args, **common, **_REFERENCE_PASS)
+    teacher_args = dataclasses.replace(training_args, **common)
+    rows = dataset.select(range(min(len(dataset), teacher_args.generation_batch_size)))
+
+    reference, _ = _one_batch_metrics(script_args, reference_args, model_args, rows)
+    echo("tokenizers: the student and the teacher agree (checked at start-up)")
+    teacher, trainer = _one_batch_metrics(script_args, teacher_args, model_args, rows)
+
+    prompt = rows[0]["prompt"]
+    teacher_prompt = rows[0][training_args.teacher_prompt_column] if training_args.teacher_prompt_column else (
+        _with_system_message(prompt, training_args.teacher_system_prompt) if training_args.teacher_system_prompt
+        else prompt
+    )
+    student_tokenizer = trainer.processing_class
+    teacher_name = training_args.teacher_model_name_or_path
+    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_name) if teacher_name else student_tokenizer
+    echo(f"first prompt, student's chat template: {_render(student_tokenizer, prompt)!r}")
+    echo(f"first prompt, teacher's chat template: {_render(teacher_tokenizer, teacher_prompt)!r}")
+    echo("  (the teacher scores the student's rendering of its own prompt, token for token; a different template "
+         "here means the teacher's own format differs from what it will see)")
+
+    kl = reference["opd/reverse_kl"]
+    ok = abs(kl) <= ZERO_KL_TOLERANCE
+    echo(f"reference as teacher: opd/reverse_kl = {kl:.6f} "
+         f"({'OK, 0 as expected' if ok else f'FAILED: should be 0 within {ZERO_KL_TOLERANCE}'})")
+    details = ", ".join(f"{name} = {value:.4f}" for name, value in sorted(teacher.items()))
+    echo(f"recipe's teacher: {details}")
+    return {"ok": ok, "reference": reference, "teacher": teacher}
