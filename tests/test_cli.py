@@ -76,3 +76,19 @@ def test_check_preflight_prints_zero_reference_kl_on_the_smoke_recipe(tiny, tmp_
     assert "first prompt, student's chat template: '<|im_start|>user\\nWhat is" in out
     reverse_kl = float(out.split("recipe's teacher:")[1].split("opd/reverse_kl = ")[1].split(",")[0])
     assert reverse_kl > 1.0  # the real teacher is far from the tiny student
+
+
+def test_reward_functions_load_by_name_or_import_path():
+    from trl.rewards import accuracy_reward
+
+    from trl_opd.testing import arithmetic_answer_reward
+
+    assert cli.load_reward_funcs(["accuracy_reward", "trl_opd.testing.arithmetic_answer_reward"]) == [
+        accuracy_reward, arithmetic_answer_reward
+    ]
+    with pytest.raises(ValueError, match="Unknown reward function 'nope'"):
+        cli.load_reward_funcs(["nope"])
+    with pytest.raises(ValueError, match="Cannot import reward function 'no_such_module.f'"):
+        cli.load_reward_funcs(["no_such_module.f"])
+    completions = [[{"role": "assistant", "content": "3 plus 4 is 7. The answer is 7."}], "It is 8."]
+    assert arithmetic_answer_reward(completions, answer=["... The answer is 7.", "The answer is 7."]) == [1.0, 0.0]

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,13 @@ class OPDScriptArguments(ScriptArguments):
     system_prompt: str | None = field(
         default=None,
         metadata={"help": "A system message put before each chat prompt (with prompt_as_user_message)."},
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "GRPO reward functions mixed with the teacher signal (see opd_reward_combination), each a name "
+            "from trl.rewards (e.g. accuracy_reward) or a dotted import path (my_module.my_reward)."
+        },
     )
 
 
@@ -79,6 +87,30 @@ def load_prompts(script_args: OPDScriptArguments, split: str):
     return dataset
 
 
+def load_reward_funcs(names: list[str] | None) -> list:
+    """Reward functions from names in `trl.rewards` or dotted import paths (resolved from the working directory)."""
+    import importlib
+
+    import trl.rewards
+
+    funcs = []
+    for name in names or []:
+        if "." not in name:
+            if not hasattr(trl.rewards, name):
+                raise ValueError(f"Unknown reward function {name!r}: not in trl.rewards, and not a dotted import path.")
+            funcs.append(getattr(trl.rewards, name))
+            continue
+        module_name, attribute = name.rsplit(".", 1)
+        sys.path.insert(0, os.getcwd())
+        try:
+            funcs.append(getattr(importlib.import_module(module_name), attribute))
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"Cannot import reward function {name!r}: {error}") from error
+        finally:
+            sys.path.remove(os.getcwd())
+    return funcs
+
+
 def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig,
                   train_dataset=None):
     """An OPDTrainer from parsed recipe arguments (the recipe's train split unless `train_dataset` is given)."""
@@ -104,6 +136,7 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
+        reward_funcs=load_reward_funcs(script_args.reward_funcs),
         peft_config=get_peft_config(model_args),
     )
 

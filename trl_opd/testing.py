@@ -32,6 +32,19 @@ def arithmetic_prompt(rng: random.Random) -> tuple[str, str]:
     return f"What is {a} {op} {b}?", f"{a} {op} {b} is {value}. The answer is {value}."
 
 
+def arithmetic_answer_reward(completions, answer, **kwargs) -> list[float]:
+    """GRPO reward for the arithmetic prompts: 1.0 if the completion's last number is the expected answer."""
+    import re
+
+    rewards = []
+    for completion, reference in zip(completions, answer, strict=True):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        numbers = re.findall(r"-?\d+", text)
+        expected = re.findall(r"-?\d+", reference)[-1]
+        rewards.append(1.0 if numbers and numbers[-1] == expected else 0.0)
+    return rewards
+
+
 def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     """A byte-level BPE tokenizer with a ChatML template, trained on generated arithmetic text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
