@@ -24,7 +24,7 @@ from .config import OPDConfig
 from .loss import opd_advantages
 from .metrics import OPDMetricsMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
-from .teachers.loading import connect_served_teacher, is_server_url, load_local_teacher
+from .teachers.loading import check_routes, load_teachers
 from .teachers.local import freeze_teacher
 from .teachers.reference import ReferenceTeacher
 from .teachers.routed import RoutedTeacher
@@ -84,23 +84,11 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             processing_class = AutoTokenizer.from_pretrained(
                 student_name, padding_side="left", truncation_side="left", trust_remote_code=args.trust_remote_code
             )
-        student_tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
-        sources = dict(args.teachers or {})  # name -> local model or server URL(s), loaded before any student weights
-        if args.teacher_server_url:
-            sources = {"teacher": args.teacher_server_url}
-        elif teacher_model is not None:
-            sources = {"teacher": teacher_model}
-        for name, source in sources.items():
-            if _is_served(source):
-                sources[name] = connect_served_teacher(
-                    source, args, student_tokenizer=student_tokenizer, student_name=student_name
-                )
-            else:
-                sources[name] = load_local_teacher(
-                    source, args, student=model, student_name=student_name, student_tokenizer=student_tokenizer,
-                    teacher_tokenizer=teacher_processing_class,
-                )
+        teachers = load_teachers(
+            model, teacher_model, args, student_name=student_name,
+            student_tokenizer=getattr(processing_class, "tokenizer", processing_class),
+            teacher_tokenizer=teacher_processing_class,
+        )
 
         user_beta = args.beta
         if args.ref_as_teacher and user_beta == 0.0:
@@ -127,25 +115,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             # clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly
             self.epsilon_low, self.epsilon_high = 1.0, float("inf")
 
-        # the frozen local teachers by name (a single teacher is "teacher"), and the scorer the trainer calls
-        self.teacher_models = {name: self._prepare_teacher(freeze_teacher(source, temperature=args.teacher_temperature))
-                               for name, source in sources.items() if isinstance(source, torch.nn.Module)}
-        self.teacher_model = self.teacher_models.get("teacher")
-        scorers = {
-            name: LocalTeacher(
-                self.teacher_models[name],
-                batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
-                autocast=self.accelerator.autocast,
-            ) if name in self.teacher_models else source
-            for name, source in sources.items()
-        }
-        self.teacher: TeacherScorer | RoutedTeacher
-        if args.ref_as_teacher or args.teacher_is_student_base:
-            self.teacher = ReferenceTeacher(self._reference_logps)
-        elif args.teachers:
-            self.teacher = RoutedTeacher(scorers)
-        else:
-            self.teacher = scorers["teacher"]
+        self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()
 
     # ------------------------------------------------------------------ set-up
@@ -178,12 +148,33 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 "at the student's `temperature`, so the student starts equal to its teacher."
             )
         if args.teachers:
-            _check_routes(datasets, args)
+            check_routes(datasets, args)
         if reward_funcs and args.num_generations < 2:
             raise ValueError(
                 "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
                 f"set num_generations >= 2 (got {args.num_generations})."
             )
+
+    def _build_scorer(self, teachers: dict) -> TeacherScorer | RoutedTeacher:
+        """The scorer the trainer calls. Local teachers are frozen and placed here, once the accelerator exists;
+        `self.teacher_models` keeps them by name (a single teacher is "teacher", also `self.teacher_model`)."""
+        args = self.args
+        self.teacher_models = {
+            name: self._prepare_teacher(freeze_teacher(teacher, temperature=args.teacher_temperature))
+            for name, teacher in teachers.items() if isinstance(teacher, torch.nn.Module)
+        }
+        self.teacher_model = self.teacher_models.get("teacher")
+        if args.ref_as_teacher or args.teacher_is_student_base:
+            return ReferenceTeacher(self._reference_logps)
+        scorers = {
+            name: LocalTeacher(
+                self.teacher_models[name],
+                batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
+                autocast=self.accelerator.autocast,
+            ) if name in self.teacher_models else teacher
+            for name, teacher in teachers.items()
+        }
+        return RoutedTeacher(scorers) if args.teachers else scorers["teacher"]
 
     def _prepare_teacher(self, teacher: torch.nn.Module) -> torch.nn.Module:
         """Place the teacher the way GRPO places its reference model: sharded under ZeRO-3/FSDP, else on device."""
@@ -345,34 +336,6 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 del self._metrics[mode][name][lengths.get(name, 0):]
                 if name.startswith("clip_ratio/"):
                     self._metrics[mode][f"opd/{name}"].extend(added)
-
-
-def _is_served(source) -> bool:
-    return is_server_url(source) or (isinstance(source, list) and all(is_server_url(url) for url in source))
-
-
-def _check_routes(datasets, args) -> None:
-    """Every row must name a configured teacher in the routing column."""
-    if args.distributed_state.distributed_type == "DEEPSPEED" and not all(map(_is_served, args.teachers.values())):
-        raise NotImplementedError(
-            "Routing between local teachers under DeepSpeed is not supported yet: ZeRO-3 needs every rank to run the "
-            "same number of forwards of each teacher. Serve the teachers (`trl-opd serve-teacher`) and route to URLs."
-        )
-    column = args.teacher_route_column
-    for name, dataset in datasets:
-        columns = getattr(dataset, "column_names", None)
-        if dataset is None or columns is None:
-            continue
-        if column not in columns:
-            raise ValueError(
-                f"{name} has no {column!r} column (columns: {columns}) to route rows to teachers "
-                f"{sorted(args.teachers)}. Add it, or set teacher_route_column."
-            )
-        unknown = sorted(set(dataset[column]) - set(args.teachers))
-        if unknown:
-            raise ValueError(
-                f"{name} routes rows to {unknown}, which are not among the configured teachers {sorted(args.teachers)}."
-            )
 
 
 def _with_system_message(prompt, system: str):

@@ -95,3 +95,53 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str) 
     )
     teacher.connect(student_tokenizer, student_name=student_name)
     return teacher
+
+
+def load_teachers(model, teacher_model, args, *, student_name, student_tokenizer, teacher_tokenizer) -> dict:
+    """name -> loaded local teacher model or connected server client, checked against the student. Empty for the
+    reference and student-base teachers, which are the student's own weights."""
+    teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
+    sources = dict(args.teachers or {})
+    if args.teacher_server_url:
+        sources = {"teacher": args.teacher_server_url}
+    elif teacher_model is not None:
+        sources = {"teacher": teacher_model}
+    for name, source in sources.items():
+        if is_served(source):
+            sources[name] = connect_served_teacher(
+                source, args, student_tokenizer=student_tokenizer, student_name=student_name
+            )
+        else:
+            sources[name] = load_local_teacher(
+                source, args, student=model, student_name=student_name, student_tokenizer=student_tokenizer,
+                teacher_tokenizer=teacher_tokenizer,
+            )
+    return sources
+
+
+def is_served(source) -> bool:
+    return is_server_url(source) or (isinstance(source, list) and all(is_server_url(url) for url in source))
+
+
+def check_routes(datasets, args) -> None:
+    """Every row must name a configured teacher in the routing column."""
+    if args.distributed_state.distributed_type == "DEEPSPEED" and not all(map(is_served, args.teachers.values())):
+        raise NotImplementedError(
+            "Routing between local teachers under DeepSpeed is not supported yet: ZeRO-3 needs every rank to run the "
+            "same number of forwards of each teacher. Serve the teachers (`trl-opd serve-teacher`) and route to URLs."
+        )
+    column = args.teacher_route_column
+    for name, dataset in datasets:
+        columns = getattr(dataset, "column_names", None)
+        if dataset is None or columns is None:
+            continue
+        if column not in columns:
+            raise ValueError(
+                f"{name} has no {column!r} column (columns: {columns}) to route rows to teachers "
+                f"{sorted(args.teachers)}. Add it, or set teacher_route_column."
+            )
+        unknown = sorted(set(dataset[column]) - set(args.teachers))
+        if unknown:
+            raise ValueError(
+                f"{name} routes rows to {unknown}, which are not among the configured teachers {sorted(args.teachers)}."
+            )
