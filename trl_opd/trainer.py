@@ -19,6 +19,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
+from .checkpoints import resolve_resume
 from .checks import check_prompt_dataset
 from .config import OPDConfig
 from .loss import opd_advantages
@@ -117,6 +118,12 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
 
         self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint, skipping one whose save was
+        interrupted (the Trainer would take the newest directory, whole or not)."""
+        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     # ------------------------------------------------------------------ set-up
 
