@@ -170,8 +170,24 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if report["ok"] else 1)
     if argv[:1] == ["train"]:
         argv = argv[1:]
+    if _cpu_process_group():
+        # the arguments must take the process group just set up rather than build their own
+        argv += ["--accelerator_config", '{"use_configured_state": true}']
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
     train(script_args, training_args, model_args)
+
+
+def _cpu_process_group() -> bool:
+    """Several processes on a machine without GPUs: accelerate picks no backend and believes it is alone (so
+    DeepSpeed's batch-size check fails). Set up gloo before any argument parsing reads the world size."""
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or torch.cuda.is_available():
+        return False
+    from accelerate import PartialState
+
+    PartialState(backend="gloo")
+    return True
 
 
 if __name__ == "__main__":
