@@ -5,6 +5,7 @@
     trl-opd make-tiny artifacts/tiny                                    # the local models the smoke recipe uses
     trl-opd serve-teacher MODEL [--port 8000] [vllm args]               # a vLLM server for teacher_server_url
     trl-opd check --config recipes/smoke_cpu.yaml                       # one-batch preflight of a recipe
+    trl-opd push outputs/smoke --repo-id ORG/NAME [--merge]             # push a saved adapter/model to the Hub
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class OPDScriptArguments(ScriptArguments):
     system_prompt: str | None = field(
         default=None,
         metadata={"help": "A system message put before each chat prompt (with prompt_as_user_message)."},
+    )
+    push_merged: bool = field(
+        default=False,
+        metadata={"help": "With push_to_hub and a LoRA student: push the adapter merged into its base model."},
     )
     reward_funcs: list[str] | None = field(
         default=None,
@@ -141,15 +146,28 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
     )
 
 
-def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig):
-    """Build an OPDTrainer from parsed recipe arguments, train, save, and push if `push_to_hub` is set."""
+def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig, *,
+          recipe: str | None = None):
+    """Build an OPDTrainer from parsed recipe arguments, train, save with a model card, and push if asked.
+
+    The push happens once, at the end and after the local save (not from every checkpoint), so an unreachable Hub
+    costs nothing but the push.
+    """
+    from .hub import push, write_model_card
+
+    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
     trainer = build_trainer(script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Saved the trained {'adapter' if model_args.use_peft else 'model'} to "
-                              f"{training_args.output_dir}")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    output_dir = training_args.output_dir
+    trainer.save_model(output_dir)
+    if trainer.accelerator.is_main_process:
+        write_model_card(trainer, output_dir, recipe=recipe, dataset=script_args.dataset_name)
+    trainer.accelerator.print(f"Saved the trained {'adapter' if model_args.use_peft else 'model'} to {output_dir}")
+    if push_to_hub and trainer.accelerator.is_main_process:
+        repo_id = training_args.hub_model_id or Path(output_dir).name
+        url = push(output_dir, repo_id, token=training_args.hub_token, private=training_args.hub_private_repo,
+                   merge=script_args.push_merged)
+        trainer.accelerator.print(f"Pushed to {url}")
     return trainer
 
 
@@ -163,6 +181,10 @@ def main(argv: list[str] | None = None) -> None:
         from .serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["push"]:
+        from .hub import main as push_main
+
+        return push_main(argv[1:])
     if argv[:1] == ["check"]:
         from .preflight import check
 
@@ -174,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         # the arguments must take the process group just set up rather than build their own
         argv += ["--accelerator_config", '{"use_configured_state": true}']
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
-    train(script_args, training_args, model_args)
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
+    train(script_args, training_args, model_args, recipe=recipe)
 
 
 def _cpu_process_group() -> bool:

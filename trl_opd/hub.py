@@ -1,0 +1,143 @@
+"""Model cards and Hub pushes of a trained student: the PEFT adapter by default, merged weights when asked.
+
+The push is the last step, after the local save: if the Hub cannot be reached, one error says so and points at the
+complete local copy, which `trl-opd push OUTPUT_DIR --repo-id ORG/NAME` can push later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+# What a push leaves out: resumable training state, not the model
+_IGNORE = ["checkpoint-*", "checkpoint-*/**", "*.pt", "*.pth", "training_args.bin", "runs/**", "completions/**"]
+
+
+class HubPushError(RuntimeError):
+    """The Hub could not take a push. The local output directory is complete."""
+
+
+def describe_teacher(args) -> str:
+    if args.ref_as_teacher:
+        return "the student's own reference model (ref_as_teacher)"
+    if args.teacher_is_student_base:
+        return "the student's base model with its adapter disabled (teacher_is_student_base)"
+    if args.teachers:
+        return "routed per row: " + ", ".join(f"{name}: {source}" for name, source in args.teachers.items())
+    if args.teacher_server_url:
+        return "served by vLLM at " + ", ".join(args.teacher_server_url)
+    adapter = f" + adapter {args.teacher_adapter_name_or_path}" if args.teacher_adapter_name_or_path else ""
+    return f"{args.teacher_model_name_or_path}{adapter}"
+
+
+def model_card(*, base_model: str, teacher: str, recipe: str | None, dataset: str | None, settings: dict,
+               metrics: dict, is_adapter: bool) -> str:
+    """README.md text: YAML front matter for the Hub, then what was trained how, and how to load it."""
+    front = ["---", f"base_model: {base_model}", "library_name: " + ("peft" if is_adapter else "transformers"),
+             "tags:", "- trl", "- trl_opd", "- on-policy-distillation"]
+    if dataset:
+        front.append(f"datasets:\n- {dataset}")
+    front.append("---")
+    load = (
+        "from peft import AutoPeftModelForCausalLM\n\nmodel = AutoPeftModelForCausalLM.from_pretrained(REPO_ID)"
+        if is_adapter else
+        "from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained(REPO_ID)"
+    )
+    rows = lambda d: "\n".join(f"| `{k}` | {v} |" for k, v in d.items()) or "| (none logged) | |"  # noqa: E731
+    return "\n".join([
+        *front, "",
+        f"# {'LoRA adapter' if is_adapter else 'Model'} trained by on-policy distillation",
+        "",
+        f"- **Base model (student):** {base_model}",
+        f"- **Teacher:** {teacher}",
+        f"- **Recipe:** {recipe or 'Python API'}",
+        f"- **Dataset:** {dataset or 'not recorded'}",
+        "",
+        "The student sampled its own completions; the teacher scored each sampled token, and the per-token difference "
+        "of log-probabilities was the advantage of a clipped policy-gradient objective (trl_opd's OPDTrainer on "
+        "TRL's GRPOTrainer).",
+        "",
+        "## Settings", "", "| setting | value |", "|---|---|", rows(settings), "",
+        "## Final metrics", "", "| metric | value |", "|---|---|", rows(metrics), "",
+        "## Use", "", "```python", load, "```", "",
+    ])
+
+
+def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset: str | None = None) -> Path:
+    """Write README.md for what `trainer` saved in `output_dir`."""
+    args = trainer.args
+    settings_names = ("opd_coef", "opd_objective", "kl_discount_factor", "loss_type", "num_generations",
+                      "max_completion_length", "temperature", "teacher_temperature", "learning_rate", "max_steps",
+                      "per_device_train_batch_size", "gradient_accumulation_steps", "opd_loss_coef",
+                      "opd_reward_combination")
+    settings = {name: getattr(args, name) for name in settings_names}
+    if trainer.reward_funcs:
+        settings["reward_funcs"] = ", ".join(trainer.reward_func_names)
+    logged = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+    metrics = {"step": trainer.state.global_step}
+    if logged:
+        metrics.update({k: round(v, 4) for k, v in logged[-1].items() if k.startswith(("opd/", "loss", "reward"))})
+    is_adapter = (Path(output_dir) / "adapter_config.json").exists()
+    base_model = getattr(trainer.accelerator.unwrap_model(trainer.model).config, "_name_or_path", "")
+    card = model_card(base_model=base_model, teacher=describe_teacher(args), recipe=recipe, dataset=dataset,
+                      settings=settings, metrics=metrics, is_adapter=is_adapter)
+    path = Path(output_dir) / "README.md"
+    path.write_text(card)
+    return path
+
+
+def merged_copy(output_dir, destination) -> Path:
+    """The adapter in `output_dir` merged into its base model, saved (with tokenizer and card) to `destination`."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    model = AutoPeftModelForCausalLM.from_pretrained(output_dir).merge_and_unload()
+    model.save_pretrained(destination)
+    AutoTokenizer.from_pretrained(output_dir).save_pretrained(destination)
+    card = Path(output_dir) / "README.md"
+    if card.exists():
+        (Path(destination) / "README.md").write_text(card.read_text().replace("library_name: peft", "library_name: "
+                                                                                                  "transformers"))
+    return Path(destination)
+
+
+def push(output_dir, repo_id: str, *, token: str | None = None, private: bool | None = None, merge: bool = False,
+         endpoint: str | None = None) -> str:
+    """Push `output_dir` (adapter or model, card, tokenizer) to `repo_id`; the merged model if `merge`."""
+    from huggingface_hub import HfApi
+
+    output_dir = Path(output_dir)
+    if not (output_dir / "adapter_config.json").exists() and not (output_dir / "config.json").exists():
+        raise FileNotFoundError(f"{output_dir} holds no saved model or adapter to push.")
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = merged_copy(output_dir, scratch) if merge else output_dir
+        try:
+            api = HfApi(endpoint=endpoint, token=token)
+            url = api.create_repo(repo_id, private=private, exist_ok=True)
+            api.upload_folder(repo_id=repo_id, folder_path=str(folder), ignore_patterns=_IGNORE)
+        except Exception as error:  # any failure of the Hub client: network, auth, offline mode, server errors
+            reason = f"{type(error).__name__}: {error}"
+            if token:
+                reason = reason.replace(token, "***")
+            raise HubPushError(
+                f"Could not push {output_dir} to the Hub repo {repo_id!r} ({reason}). Nothing is lost: the trained "
+                f"{'adapter' if (output_dir / 'adapter_config.json').exists() else 'model'} and its model card are "
+                f"saved in {output_dir}. Push them later with `trl-opd push {output_dir} --repo-id {repo_id}`."
+            ) from None
+    return str(url)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="trl-opd push", description="Push a trained output directory to the Hub.")
+    parser.add_argument("output_dir")
+    parser.add_argument("--repo-id", required=True)
+    parser.add_argument("--merge", action="store_true", help="push the adapter merged into its base model")
+    parser.add_argument("--private", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        url = push(args.output_dir, args.repo_id, merge=args.merge, private=args.private or None)
+    except HubPushError as error:
+        raise SystemExit(str(error)) from None
+    print(json.dumps({"pushed": args.output_dir, "to": url}))
