@@ -9,6 +9,8 @@ from trl import GRPOConfig
 
 OPD_OBJECTIVES = ("clipped", "importance_sampling")
 REWARD_COMBINATIONS = ("loss", "advantage")
+# "topk" (the teacher's top-k plus a tail bucket, for served teachers) is planned under the same option
+OPD_ESTIMATORS = ("sampled", "full")
 # GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -65,6 +67,22 @@ class OPDConfig(GRPOConfig):
             "`max(-A r, -A clip(r, 1 - epsilon, 1 + epsilon_high))` for the configured `loss_type`. "
             "'importance_sampling': the unclipped `-A r`. Both aggregate tokens as `loss_type` does.",
             "choices": list(OPD_OBJECTIVES),
+        },
+    )
+    opd_estimator: str = field(
+        default="sampled",
+        metadata={
+            "help": "'sampled': the per-token advantage of the sampled token in the policy objective. 'full': that, "
+            "plus the exact reverse KL over the whole vocabulary at every completion position as a dense loss term "
+            "(weight opd_dense_coef; local teacher only; computed in tiles).",
+            "choices": list(OPD_ESTIMATORS),
+        },
+    )
+    opd_dense_coef: float = field(
+        default=1.0,
+        metadata={
+            "help": "Weight of the dense reverse-KL term with opd_estimator='full'. Set opd_coef to 0 to train on "
+            "the dense term alone."
         },
     )
     kl_discount_factor: float = field(
@@ -208,6 +226,14 @@ class OPDConfig(GRPOConfig):
             )
         if self.teacher_system_prompt and self.teacher_prompt_column:
             raise ValueError("Set teacher_system_prompt or teacher_prompt_column, not both.")
+        if self.opd_estimator not in OPD_ESTIMATORS:
+            raise ValueError(f"opd_estimator must be one of {OPD_ESTIMATORS}, got {self.opd_estimator!r}.")
+        if self.opd_estimator == "full" and (self.teacher_server_url or self.ref_as_teacher
+                                             or self.teacher_is_student_base or self.teachers):
+            raise ValueError(
+                "opd_estimator='full' needs the teacher's hidden states: it works with one local teacher model "
+                "(teacher_model_name_or_path), not with served, reference, student-base or routed teachers."
+            )
         if self.opd_reward_combination not in REWARD_COMBINATIONS:
             raise ValueError(
                 f"opd_reward_combination must be one of {REWARD_COMBINATIONS}, got {self.opd_reward_combination!r}."

@@ -48,6 +48,35 @@ def discounted_future_sum(values: torch.Tensor, *, gamma: float) -> torch.Tensor
     return out
 
 
+def dense_reverse_kl(
+    student_hidden: torch.Tensor,
+    student_head_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_head_weight: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    student_head_bias: torch.Tensor | None = None,
+    teacher_head_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact KL(pi_S(.|s_t) || pi_T(.|s_t)) over the whole vocabulary at each masked-in position, shape (B, T).
+
+    From the final hidden states (B, T, H_s) and (B, T, H_t) and each model's LM head, projected in tiles by TRL's
+    chunked divergence kernel, so neither (positions, vocab) logits tensor exists whole. The gradient flows to the
+    student's hidden states and head only. Masked positions are 0.
+    """
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    valid = mask.bool()
+    kl, _ = ChunkedDivergenceFunction.apply(
+        student_hidden[valid], student_head_weight, student_head_bias,
+        teacher_hidden[valid].to(student_hidden.device), teacher_head_weight, teacher_head_bias,
+        1.0,  # beta 1: the reverse KL, KL(student || teacher)
+        1.0,
+    )
+    # masked_scatter keeps the graph even when no position is valid
+    return kl.new_zeros(mask.shape).masked_scatter(valid, kl)
+
+
 def reverse_kl_per_token(teacher_per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor) -> torch.Tensor:
     """Single-sample estimate of KL(pi_old || pi_T) at each sampled token: `log pi_old(a_t) - log pi_T(a_t)`."""
     return old_per_token_logps - teacher_per_token_logps

@@ -22,7 +22,7 @@ from trl.trainer.utils import get_config_model_id, pad, use_adapter
 from .checkpoints import resolve_resume
 from .checks import check_prompt_dataset
 from .config import OPDConfig
-from .loss import opd_advantages
+from .loss import dense_reverse_kl, opd_advantages
 from .metrics import OPDMetricsMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.loading import check_routes, load_teachers
@@ -156,6 +156,11 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             )
         if args.teachers:
             check_routes(datasets, args)
+        if args.opd_estimator == "full" and args.distributed_state.distributed_type == "DEEPSPEED":
+            raise NotImplementedError(
+                "opd_estimator='full' under DeepSpeed is not supported yet: ZeRO-3 only reduces the LM head's gradient "
+                "for losses computed inside the model's forward. Use the sampled estimator there."
+            )
         if reward_funcs and args.num_generations < 2:
             raise ValueError(
                 "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
@@ -178,6 +183,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 self.teacher_models[name],
                 batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
                 autocast=self.accelerator.autocast,
+                return_hidden=args.opd_estimator == "full",
             ) if name in self.teacher_models else teacher
             for name, teacher in teachers.items()
         }
@@ -244,6 +250,8 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             output["advantages"] = reward_advantages + self.args.opd_loss_coef * teacher_advantages
         else:
             output["teacher_advantages"] = teacher_advantages
+        if scores.hidden is not None:
+            output["teacher_hidden_states"] = scores.hidden  # (B, T, H_teacher), for the dense term of the loss
         self._log_opd_metrics(mode, scores, old_per_token_logps, teacher_advantages, mask)
         return output
 
@@ -297,6 +305,41 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
     # ------------------------------------------------------------------ loss
 
     def _compute_loss(self, model, inputs):
+        if "teacher_hidden_states" not in inputs:
+            return self._policy_loss(model, inputs)
+        student = self._student_causal_lm()
+        hidden = []
+        hook = student.base_model.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state))
+        try:
+            loss = self._policy_loss(model, inputs)
+        finally:
+            hook.remove()
+        return loss + self.args.opd_dense_coef * self._dense_loss(inputs, hidden[0], student)
+
+    def _student_causal_lm(self):
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+
+    def _dense_loss(self, inputs, student_hidden, student) -> torch.Tensor:
+        """The exact reverse KL over the vocabulary at every completion position, normalised like GRPO's 'dapo'
+        loss (by the generation batch's token count), so it adds to the policy term on the same scale."""
+        mode = "train" if self.model.training else "eval"
+        num_completion = inputs["completion_ids"].size(1)
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        student_head, teacher_head = student.get_output_embeddings(), self.teacher.causal_lm.get_output_embeddings()
+        per_token = dense_reverse_kl(
+            student_hidden[:, -num_completion - 1 : -1], student_head.weight,
+            inputs["teacher_hidden_states"], teacher_head.weight, mask,
+            student_head_bias=student_head.bias, teacher_head_bias=teacher_head.bias,
+        )  # (B, T)
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        totals = self.accelerator.reduce(torch.stack([per_token.detach().sum(), mask.sum().float()]), "sum")
+        self._metrics[mode]["opd/reverse_kl_dense"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return per_token.sum() / normalizer
+
+    def _policy_loss(self, model, inputs):
         if "teacher_advantages" not in inputs:  # teacher only, or advantages already summed
             return super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"

@@ -35,10 +35,17 @@ class LocalTeacher:
         *,
         batch_size: int,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
+        return_hidden: bool = False,
     ):
         self.model = model
         self.batch_size = batch_size
         self.autocast = autocast
+        self.return_hidden = return_hidden  # keep the final hidden states too (the dense estimator needs them)
+
+    @property
+    def causal_lm(self) -> torch.nn.Module:
+        """The transformers model, under any DeepSpeed or accelerate wrapper."""
+        return getattr(self.model, "module", self.model)
 
     @torch.no_grad()
     def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> TeacherScores:
@@ -52,16 +59,27 @@ class LocalTeacher:
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-num_completion] = -100
 
-        logps, is_top1, entropy = [], [], []
-        # Every rank runs the same number of forwards (equal local batches), as ZeRO-3's collective forward needs
-        for start in range(0, input_ids.size(0), self.batch_size):
-            rows = slice(start, start + self.batch_size)
-            with self.autocast():
-                out = self.model(
-                    input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows],
-                    fused_lm_head=True,
-                )
-            logps.append(out.log_probs[:, -num_completion:].float())
-            is_top1.append(out.is_top1[:, -num_completion:])
-            entropy.append(out.entropy[:, -num_completion:].float())
-        return TeacherScores(logps=torch.cat(logps), is_top1=torch.cat(is_top1), entropy=torch.cat(entropy))
+        logps, is_top1, entropy, hidden = [], [], [], []
+        # the fused head runs the backbone itself; a hook keeps its output, at the positions that predict completions
+        hook = self.causal_lm.base_model.register_forward_hook(
+            lambda module, args, out: hidden.append(out.last_hidden_state[:, -num_completion - 1 : -1])
+        ) if self.return_hidden else None
+        try:
+            # Every rank runs the same number of forwards (equal local batches), as ZeRO-3's collective forward needs
+            for start in range(0, input_ids.size(0), self.batch_size):
+                rows = slice(start, start + self.batch_size)
+                with self.autocast():
+                    out = self.model(
+                        input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows],
+                        fused_lm_head=True,
+                    )
+                logps.append(out.log_probs[:, -num_completion:].float())
+                is_top1.append(out.is_top1[:, -num_completion:])
+                entropy.append(out.entropy[:, -num_completion:].float())
+        finally:
+            if hook is not None:
+                hook.remove()
+        return TeacherScores(
+            logps=torch.cat(logps), is_top1=torch.cat(is_top1), entropy=torch.cat(entropy),
+            hidden=torch.cat(hidden) if hidden else None,
+        )

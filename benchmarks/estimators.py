@@ -1,0 +1,128 @@
+"""OPD estimators against TRL's DistillationTrainer: held-out KL reduction, seconds per step, peak memory.
+
+Same tiny pair, prompts, steps, batch and learning rate for every method; full fine-tuning. Held-out KL is measured
+by `trl_opd.evaluation` (exact full-vocabulary KL(student || teacher) at student-sampled states on 32 held-out prompts
+x 2 samples), not by any trainer's logged number. Each run is its own process, so peak RSS is per run. Two gaps: the
+`make-tiny` student ("wide") and the same student trained 4x longer ("narrow").
+
+    .venv/bin/python benchmarks/estimators.py --steps 60 --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+METHODS = ("opd-sampled", "opd-full", "trl-distillation")
+
+
+def narrow_student(tiny: Path, destination: Path) -> Path:
+    """The tiny student trained on answers 4x longer: a smaller gap to the teacher."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_opd.testing import train_on_answers
+
+    if not (destination / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(tiny / "student")
+        model = AutoModelForCausalLM.from_pretrained(tiny / "student")
+        train_on_answers(model, tokenizer, steps=90, seed=3)
+        model.save_pretrained(destination)
+        tokenizer.save_pretrained(destination)
+    return destination
+
+
+def one_run(method: str, student: str, tiny: Path, seed: int, steps: int) -> dict:
+    from datasets import load_dataset
+
+    from trl_opd.evaluation import heldout_reverse_kl
+
+    prompts = load_dataset("json", data_files=str(tiny / "train.jsonl"), split="train")
+    heldout = [json.loads(line)["prompt"] for line in open(tiny / "heldout.jsonl")][:32]
+    common = dict(per_device_train_batch_size=16, max_completion_length=24, learning_rate=1e-3, max_steps=steps,
+                  logging_steps=steps, save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
+                  seed=seed)
+    with tempfile.TemporaryDirectory() as output_dir:
+        if method == "trl-distillation":
+            from trl import DistillationConfig, DistillationTrainer
+
+            trainer = DistillationTrainer(model=student, teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                                          args=DistillationConfig(output_dir=output_dir, beta=1.0, **common))
+            teacher = trainer.teacher_model
+        else:
+            from trl_opd import OPDConfig, OPDTrainer
+
+            estimator = method.split("-")[1]
+            trainer = OPDTrainer(model=student, teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                                 args=OPDConfig(output_dir=output_dir, num_generations=1, opd_estimator=estimator,
+                                                **common))
+            teacher = trainer.teacher_model
+        evaluate = lambda: heldout_reverse_kl(  # noqa: E731
+            trainer.model, teacher, trainer.processing_class, heldout, max_new_tokens=24, samples_per_prompt=2,
+            seed=1234,
+        )["reverse_kl_exact"]
+        before = evaluate()
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+        after = evaluate()
+    return {"method": method, "seed": seed, "kl_before": before, "kl_after": after, "seconds_per_step": seconds / steps,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", default="artifacts/tiny")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--one", nargs=3, metavar=("METHOD", "STUDENT", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    from trl_opd.testing import make_tiny
+
+    tiny = make_tiny(args.tiny)
+    if args.one:
+        method, student, seed = args.one
+        print("RESULT " + json.dumps(one_run(method, student, tiny, int(seed), args.steps)))
+        return
+
+    students = {"wide": str(tiny / "student"), "narrow": str(narrow_student(tiny, tiny / "student-narrow"))}
+    results = []
+    for gap, student in students.items():
+        for method in METHODS:
+            for seed in args.seeds:
+                command = [sys.executable, __file__, "--tiny", str(tiny), "--steps", str(args.steps),
+                           "--one", method, student, str(seed)]
+                out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+                result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+                results.append({"gap": gap, **result})
+                print(json.dumps(results[-1]), file=sys.stderr)
+
+    print(f"\n{args.steps} steps, batch 16, lr 1e-3, full fine-tune; mean over seeds {args.seeds}; "
+          f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}\n")
+    print("| gap | method | held-out KL before -> after | reduction | s/step | s/step vs TRL | peak RSS |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for gap in students:
+        def mean(method, key, gap=gap):
+            return statistics.mean(r[key] for r in results if r["gap"] == gap and r["method"] == method)
+
+        for method in METHODS:
+            before, after = mean(method, "kl_before"), mean(method, "kl_after")
+            speed = mean(method, "seconds_per_step") / mean("trl-distillation", "seconds_per_step")
+            print(f"| {gap} | {method} | {before:.3f} -> {after:.3f} | {100 * (1 - after / before):.0f}% | "
+                  f"{mean(method, 'seconds_per_step'):.3f} | {speed:.2f}x | {mean(method, 'peak_rss_mib'):.0f} MiB |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
