@@ -1,6 +1,8 @@
 """OPD estimators against TRL's DistillationTrainer: held-out KL reduction, seconds per step, peak memory.
 
-Same tiny pair, prompts, steps, batch and learning rate for every method; full fine-tuning. Held-out KL is measured
+Same tiny pair, prompts, steps, batch and learning rate for every method; full fine-tuning. Methods: OPD with the
+sampled-token estimator, with the full-vocabulary term added to it, with the full-vocabulary term alone, and TRL's
+DistillationTrainer with beta 1 (reverse KL). Held-out KL is measured
 by `trl_opd.evaluation` (exact full-vocabulary KL(student || teacher) at student-sampled states on 32 held-out prompts
 x 2 samples), not by any trainer's logged number. Each run is its own process, so peak RSS is per run. Two gaps: the
 `make-tiny` student ("wide") and the same student trained 4x longer ("narrow").
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-METHODS = ("opd-sampled", "opd-full", "trl-distillation")
+METHODS = ("opd-sampled", "opd-full", "opd-full-only", "trl-distillation")
 
 
 def narrow_student(tiny: Path, destination: Path) -> Path:
@@ -60,10 +62,11 @@ def one_run(method: str, student: str, tiny: Path, seed: int, steps: int) -> dic
         else:
             from trl_opd import OPDConfig, OPDTrainer
 
+            # opd-full-only: the dense term alone (opd_coef 0), TRL's reverse-KL objective on OPD's data path
             estimator = method.split("-")[1]
             trainer = OPDTrainer(model=student, teacher_model=str(tiny / "teacher"), train_dataset=prompts,
                                  args=OPDConfig(output_dir=output_dir, num_generations=1, opd_estimator=estimator,
-                                                **common))
+                                                opd_coef=0.0 if method.endswith("only") else 1.0, **common))
             teacher = trainer.teacher_model
         evaluate = lambda: heldout_reverse_kl(  # noqa: E731
             trainer.model, teacher, trainer.processing_class, heldout, max_new_tokens=24, samples_per_prompt=2,
