@@ -8,7 +8,7 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -204,15 +204,17 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             model = self.ref_model
         elif self.args.ref_as_teacher and "ref" in self.accelerator.unwrap_model(self.model).peft_config:
             adapter = "ref"  # a student that came with a trained adapter: GRPO keeps a frozen copy as "ref"
+        if model is self.model:
+            with use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=adapter):
+                return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep)
+        return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep)
+
+    def _no_grad_logps(self, model, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+        """Per-token log-probs of the last `logits_to_keep` tokens under `model`, without gradient, (B, T)."""
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            context = (
-                use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=adapter)
-                if model is self.model else nullcontext()
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
             )
-            with context:
-                logps, _, _ = self._get_per_token_logps_and_entropies(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
-                )
         return logps
 
     # ------------------------------------------------------------------ scoring
@@ -231,7 +233,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 self._metrics[mode].pop(name, None)
 
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        mask = completion_mask * output["tool_mask"] if "tool_mask" in output else completion_mask  # (B, T)
+        mask = _loss_mask(output)  # (B, T)
         if output.get("old_per_token_logps") is None:
             output["old_per_token_logps"] = self._student_logps(
                 output["prompt_ids"], output["prompt_mask"], completion_ids, completion_mask
@@ -278,15 +280,9 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
 
     def _student_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         """log pi_old of the sampled tokens, when GRPO did not already compute them (on-policy, no vLLM)."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                torch.cat([prompt_ids, completion_ids], dim=1),
-                torch.cat([prompt_mask, completion_mask], dim=1),
-                completion_ids.size(1),
-                batch_size=self.args.per_device_train_batch_size,
-            )
-        return logps
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        return self._no_grad_logps(self.model, input_ids, attention_mask, completion_ids.size(1))
 
     def _check_finite(self, teacher_logps, old_logps, mask) -> None:
         """Fail, on every rank at once, if any scored token has a NaN/inf log-prob: never train on it silently."""
@@ -325,7 +321,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         loss (by the generation batch's token count), so it adds to the policy term on the same scale."""
         mode = "train" if self.model.training else "eval"
         num_completion = inputs["completion_ids"].size(1)
-        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        mask = _loss_mask(inputs)
         student_head, teacher_head = student.get_output_embeddings(), self.teacher.causal_lm.get_output_embeddings()
         per_token = dense_reverse_kl(
             student_hidden[:, -num_completion - 1 : -1], student_head.weight,
@@ -386,6 +382,11 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 del self._metrics[mode][name][lengths.get(name, 0):]
                 if name.startswith("clip_ratio/"):
                     self._metrics[mode][f"opd/{name}"].extend(added)
+
+
+def _loss_mask(batch) -> torch.Tensor:
+    """Completion tokens the student sampled: GRPO's completion mask, without tool outputs when there are any."""
+    return batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
 
 
 def _with_system_message(prompt, system: str):
