@@ -14,14 +14,17 @@ _LAZY = {
     "OPDConfig": "trl_opd.config",
     "OPDTrainer": "trl_opd.trainer",
     "LocalTeacher": "trl_opd.teachers",
+    "VLLMServerTeacher": "trl_opd.teachers",
     "TeacherScorer": "trl_opd.teachers",
     "TeacherScores": "trl_opd.teachers",
 }
-__all__ = ["LocalTeacher", "OPDConfig", "OPDTrainer", "TeacherScorer", "TeacherScores", "__version__"]
+__all__ = [
+    "LocalTeacher", "OPDConfig", "OPDTrainer", "TeacherScorer", "TeacherScores", "VLLMServerTeacher", "__version__"
+]
 
 if TYPE_CHECKING:
     from .config import OPDConfig
-    from .teachers import LocalTeacher, TeacherScorer, TeacherScores
+    from .teachers import LocalTeacher, TeacherScorer, TeacherScores, VLLMServerTeacher
     from .trainer import OPDTrainer
 
 
