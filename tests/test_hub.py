@@ -54,6 +54,11 @@ def test_push_to_an_unreachable_hub_fails_once_after_a_complete_local_save(tiny,
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "student"), output_dir)
     assert torch.isfinite(model(torch.tensor([[1, 263, 264]])).logits).all()
 
+    # the merged copy gets the same facts in a card for full weights
+    merged_card = (merged_copy(output_dir, tmp_path / "merged") / "README.md").read_text()
+    assert "library_name: transformers" in merged_card and "# Model trained by on-policy distillation" in merged_card
+    assert "AutoPeftModelForCausalLM" not in merged_card and "| `opd/reverse_kl` |" in merged_card
+
 
 def test_push_command_and_merged_weights(tiny, tmp_path, unreachable_hub):
     from peft import LoraConfig, get_peft_model

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from accelerate.utils import is_peft_model
 
-def check_prompt_dataset(dataset, *, name: str = "train_dataset", teacher_prompt_column: str | None = None) -> None:
-    """A prompt dataset must be non-empty and have a `prompt` column (string or chat messages), and the teacher's
-    prompt column if one is configured."""
+from .teachers.vllm_server import is_served
+
+
+def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict[str, str] | None = None) -> None:
+    """A prompt dataset must be non-empty and have a `prompt` column (string or chat messages), and each column of
+    `required` (column -> what the configuration needs it for)."""
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and teacher_prompt_column and teacher_prompt_column not in columns:
-        raise ValueError(
-            f"{name} has no {teacher_prompt_column!r} column (columns: {columns}), which teacher_prompt_column names "
-            "as the prompt the teacher sees. Add it, or unset teacher_prompt_column."
-        )
+    for column, purpose in (required or {}).items():
+        if columns is not None and column not in columns:
+            raise ValueError(f"{name} has no {column!r} column (columns: {columns}), {purpose}.")
     if columns is not None and "prompt" not in columns:
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {columns}). OPDTrainer reads prompts from 'prompt', as a string "
@@ -61,3 +63,67 @@ def check_vocab_sizes(*, student_vocab_size: int, teacher_vocab_size: int, stude
             f"({student_name}) can sample {student_vocab_size} token ids, so some sampled tokens could not be scored. "
             "Use a teacher whose vocabulary is at least the student's."
         )
+
+
+def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config) -> None:
+    """Everything that can be wrong with OPDTrainer's inputs, checked before any weights load."""
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
+    datasets = [("train_dataset", train_dataset)] + [(f"eval_dataset{k and f'[{k!r}]'}", d) for k, d in evals]
+    required = {}
+    if args.teacher_prompt_column:
+        required[args.teacher_prompt_column] = "which teacher_prompt_column names as the prompt the teacher sees"
+    if args.teachers:
+        required[args.teacher_route_column] = f"to route rows to teachers {sorted(args.teachers)}"
+    for name, dataset in datasets:
+        check_prompt_dataset(dataset, name=name, required=required)
+    other_sources = args.teacher_server_url or args.ref_as_teacher or args.teacher_is_student_base or args.teachers
+    if teacher_model is not None and other_sources:
+        raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
+    if teacher_model is None and not args.teacher_model_name_or_path and not other_sources:
+        raise ValueError(
+            "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set one of "
+            "`teacher_model_name_or_path`, `teacher_server_url`, `teachers`, `ref_as_teacher` or "
+            "`teacher_is_student_base`."
+        )
+    peft_student = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
+    if args.teacher_is_student_base and not peft_student:
+        raise ValueError(
+            "teacher_is_student_base needs a PEFT student (pass `peft_config`, or `use_peft: true` in a recipe): "
+            "the teacher is the student's base model with its adapter disabled."
+        )
+    if (args.ref_as_teacher or args.teacher_is_student_base) and args.teacher_temperature != 1.0:
+        raise ValueError(
+            "teacher_temperature does not apply to ref_as_teacher / teacher_is_student_base: those teachers score "
+            "at the student's `temperature`, so the student starts equal to its teacher."
+        )
+    if args.teachers:
+        check_routes(datasets, args)
+    if args.opd_estimator == "full" and args.distributed_state.distributed_type == "DEEPSPEED":
+        raise NotImplementedError(
+            "opd_estimator='full' under DeepSpeed is not supported yet: ZeRO-3 only reduces the LM head's gradient "
+            "for losses computed inside the model's forward. Use the sampled estimator there."
+        )
+    if reward_funcs and args.num_generations < 2:
+        raise ValueError(
+            "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
+            f"set num_generations >= 2 (got {args.num_generations})."
+        )
+
+
+def check_routes(datasets, args) -> None:
+    """Every row must name a configured teacher in the routing column (which `check_prompt_dataset` requires)."""
+    if args.distributed_state.distributed_type == "DEEPSPEED" and not all(map(is_served, args.teachers.values())):
+        raise NotImplementedError(
+            "Routing between local teachers under DeepSpeed is not supported yet: ZeRO-3 needs every rank to run the "
+            "same number of forwards of each teacher. Serve the teachers (`trl-opd serve-teacher`) and route to URLs."
+        )
+    column = args.teacher_route_column
+    for name, dataset in datasets:
+        columns = getattr(dataset, "column_names", None)
+        if dataset is None or columns is None:
+            continue
+        unknown = sorted(set(dataset[column]) - set(args.teachers))
+        if unknown:
+            raise ValueError(
+                f"{name} routes rows to {unknown}, which are not among the configured teachers {sorted(args.teachers)}."
+            )

@@ -11,6 +11,8 @@ import json
 import tempfile
 from pathlib import Path
 
+# The facts behind the model card, kept beside it so a merged copy can get its own card
+CARD_FACTS = "opd_training.json"
 # What a push leaves out: resumable training state, not the model
 _IGNORE = ["checkpoint-*", "checkpoint-*/**", "*.pt", "*.pth", "training_args.bin", "runs/**", "completions/**"]
 
@@ -45,7 +47,10 @@ def model_card(*, base_model: str, teacher: str, recipe: str | None, dataset: st
         if is_adapter else
         "from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained(REPO_ID)"
     )
-    rows = lambda d: "\n".join(f"| `{k}` | {v} |" for k, v in d.items()) or "| (none logged) | |"  # noqa: E731
+
+    def rows(values: dict) -> str:
+        return "\n".join(f"| `{k}` | {v} |" for k, v in values.items()) or "| (none logged) | |"
+
     return "\n".join([
         *front, "",
         f"# {'LoRA adapter' if is_adapter else 'Model'} trained by on-policy distillation",
@@ -79,12 +84,12 @@ def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset:
     metrics = {"step": trainer.state.global_step}
     if logged:
         metrics.update({k: round(v, 4) for k, v in logged[-1].items() if k.startswith(("opd/", "loss", "reward"))})
-    is_adapter = (Path(output_dir) / "adapter_config.json").exists()
     base_model = getattr(trainer.accelerator.unwrap_model(trainer.model).config, "_name_or_path", "")
-    card = model_card(base_model=base_model, teacher=describe_teacher(args), recipe=recipe, dataset=dataset,
-                      settings=settings, metrics=metrics, is_adapter=is_adapter)
+    facts = dict(base_model=base_model, teacher=describe_teacher(args), recipe=recipe, dataset=dataset,
+                 settings=settings, metrics=metrics)
+    (Path(output_dir) / CARD_FACTS).write_text(json.dumps(facts, indent=1, default=str))
     path = Path(output_dir) / "README.md"
-    path.write_text(card)
+    path.write_text(model_card(**facts, is_adapter=(Path(output_dir) / "adapter_config.json").exists()))
     return path
 
 
@@ -96,10 +101,10 @@ def merged_copy(output_dir, destination) -> Path:
     model = AutoPeftModelForCausalLM.from_pretrained(output_dir).merge_and_unload()
     model.save_pretrained(destination)
     AutoTokenizer.from_pretrained(output_dir).save_pretrained(destination)
-    card = Path(output_dir) / "README.md"
-    if card.exists():
-        (Path(destination) / "README.md").write_text(card.read_text().replace("library_name: peft", "library_name: "
-                                                                                                  "transformers"))
+    facts = Path(output_dir) / CARD_FACTS
+    if facts.exists():  # the same card, for full weights
+        (Path(destination) / CARD_FACTS).write_text(facts.read_text())
+        (Path(destination) / "README.md").write_text(model_card(**json.loads(facts.read_text()), is_adapter=False))
     return Path(destination)
 
 

@@ -20,12 +20,12 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
 from .checkpoints import resolve_resume
-from .checks import check_prompt_dataset
+from .checks import check_opd_inputs
 from .config import OPDConfig
 from .loss import dense_reverse_kl, opd_advantages
 from .metrics import OPDMetricsMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
-from .teachers.loading import check_routes, load_teachers
+from .teachers.loading import load_teachers
 from .teachers.local import freeze_teacher
 from .teachers.reference import ReferenceTeacher
 from .teachers.routed import RoutedTeacher
@@ -80,7 +80,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         if not isinstance(args, OPDConfig):
             raise TypeError(f"OPDTrainer needs an OPDConfig, got {type(args).__name__}.")
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
-        self._check_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config)
+        check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
                 student_name, padding_side="left", truncation_side="left", trust_remote_code=args.trust_remote_code
@@ -126,46 +126,6 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     # ------------------------------------------------------------------ set-up
-
-    @staticmethod
-    def _check_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config) -> None:
-        """Everything that can be wrong with the inputs, before any weights load."""
-        evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
-        datasets = [("train_dataset", train_dataset)] + [(f"eval_dataset{k and f'[{k!r}]'}", d) for k, d in evals]
-        for name, dataset in datasets:
-            check_prompt_dataset(dataset, name=name, teacher_prompt_column=args.teacher_prompt_column)
-        other_sources = args.teacher_server_url or args.ref_as_teacher or args.teacher_is_student_base or args.teachers
-        if teacher_model is not None and other_sources:
-            raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
-        if teacher_model is None and not args.teacher_model_name_or_path and not other_sources:
-            raise ValueError(
-                "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set one of "
-                "`teacher_model_name_or_path`, `teacher_server_url`, `teachers`, `ref_as_teacher` or "
-                "`teacher_is_student_base`."
-            )
-        peft_student = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
-        if args.teacher_is_student_base and not peft_student:
-            raise ValueError(
-                "teacher_is_student_base needs a PEFT student (pass `peft_config`, or `use_peft: true` in a recipe): "
-                "the teacher is the student's base model with its adapter disabled."
-            )
-        if (args.ref_as_teacher or args.teacher_is_student_base) and args.teacher_temperature != 1.0:
-            raise ValueError(
-                "teacher_temperature does not apply to ref_as_teacher / teacher_is_student_base: those teachers score "
-                "at the student's `temperature`, so the student starts equal to its teacher."
-            )
-        if args.teachers:
-            check_routes(datasets, args)
-        if args.opd_estimator == "full" and args.distributed_state.distributed_type == "DEEPSPEED":
-            raise NotImplementedError(
-                "opd_estimator='full' under DeepSpeed is not supported yet: ZeRO-3 only reduces the LM head's gradient "
-                "for losses computed inside the model's forward. Use the sampled estimator there."
-            )
-        if reward_funcs and args.num_generations < 2:
-            raise ValueError(
-                "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
-                f"set num_generations >= 2 (got {args.num_generations})."
-            )
 
     def _build_scorer(self, teachers: dict) -> TeacherScorer | RoutedTeacher:
         """The scorer the trainer calls. Local teachers are frozen and placed here, once the accelerator exists;

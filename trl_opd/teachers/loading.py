@@ -10,11 +10,7 @@ from transformers import AutoConfig, AutoTokenizer
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
 from ..checks import check_tokenizers_compatible, check_vocab_sizes
-from .vllm_server import VLLMServerTeacher
-
-
-def is_server_url(name) -> bool:
-    return isinstance(name, str) and name.startswith(("http://", "https://"))
+from .vllm_server import VLLMServerTeacher, is_served
 
 
 def load_local_teacher(teacher, args, *, student, student_name: str, student_tokenizer, teacher_tokenizer=None):
@@ -117,31 +113,3 @@ def load_teachers(model, teacher_model, args, *, student_name, student_tokenizer
                 teacher_tokenizer=teacher_tokenizer,
             )
     return sources
-
-
-def is_served(source) -> bool:
-    return is_server_url(source) or (isinstance(source, list) and all(is_server_url(url) for url in source))
-
-
-def check_routes(datasets, args) -> None:
-    """Every row must name a configured teacher in the routing column."""
-    if args.distributed_state.distributed_type == "DEEPSPEED" and not all(map(is_served, args.teachers.values())):
-        raise NotImplementedError(
-            "Routing between local teachers under DeepSpeed is not supported yet: ZeRO-3 needs every rank to run the "
-            "same number of forwards of each teacher. Serve the teachers (`trl-opd serve-teacher`) and route to URLs."
-        )
-    column = args.teacher_route_column
-    for name, dataset in datasets:
-        columns = getattr(dataset, "column_names", None)
-        if dataset is None or columns is None:
-            continue
-        if column not in columns:
-            raise ValueError(
-                f"{name} has no {column!r} column (columns: {columns}) to route rows to teachers "
-                f"{sorted(args.teachers)}. Add it, or set teacher_route_column."
-            )
-        unknown = sorted(set(dataset[column]) - set(args.teachers))
-        if unknown:
-            raise ValueError(
-                f"{name} routes rows to {unknown}, which are not among the configured teachers {sorted(args.teachers)}."
-            )

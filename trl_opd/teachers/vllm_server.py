@@ -21,6 +21,15 @@ from .base import TeacherScores
 _TOKENIZER_PROBE = "Distil: 12 + 7 = 19, isn't it?\n  The answer is 19."
 
 
+def is_server_url(name) -> bool:
+    return isinstance(name, str) and name.startswith(("http://", "https://"))
+
+
+def is_served(source) -> bool:
+    """A teacher given as a server URL or a list of them."""
+    return is_server_url(source) or (isinstance(source, list) and all(is_server_url(url) for url in source))
+
+
 class TeacherServerError(RuntimeError):
     """A teacher server could not be reached, refused a request, or answered something unusable."""
 
