@@ -1,10 +1,10 @@
-"""The full-vocabulary estimator: exact values and gradients, tiled memory, and training with it."""
+"""The dense estimators (full vocabulary, top-k plus tail): exact values and gradients, tiled memory, training."""
 
 import pytest
 import torch
 
 from trl_opd import OPDTrainer
-from trl_opd.loss import dense_reverse_kl
+from trl_opd.loss import dense_reverse_kl, dense_topk_reverse_kl, head_token_logps, head_topk_logps
 from trl_opd.testing import TensorMemoryMeter
 
 
@@ -52,9 +52,87 @@ def test_dense_term_never_builds_positions_by_vocab_for_both_models():
     assert tiled.peak < naive.peak / 1.5, f"tiled {tiled.peak / 2**20:.0f} MiB, naive {naive.peak / 2**20:.0f} MiB"
 
 
-def _run(tiny, prompts, make_config, teacher, **overrides):
+def _naive_topk_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, k):
+    """The bucketed KL written out in float64: top-k tokens of the teacher one by one, the rest as one outcome."""
+    student = (student_hidden.double() @ student_weight.double().T).log_softmax(-1)
+    teacher = (teacher_hidden.double() @ teacher_weight.double().T).log_softmax(-1)
+    ids = teacher.topk(k, dim=-1).indices
+    student_top, teacher_top = student.gather(-1, ids), teacher.gather(-1, ids)
+    student_tail = (1 - student_top.exp().sum(-1)).log()
+    teacher_tail = (1 - teacher_top.exp().sum(-1)).log()
+    kl = (student_top.exp() * (student_top - teacher_top)).sum(-1) + student_tail.exp() * (student_tail - teacher_tail)
+    return kl, ids, teacher_top
+
+
+def test_topk_reverse_kl_equals_the_bucketed_sum_its_gradient_and_bounds_the_full_kl():
+    torch.manual_seed(0)
+    student_hidden = (torch.randn(2, 5, 16) * 0.3).requires_grad_()
+    student_weight = torch.randn(300, 16, requires_grad=True)
+    teacher_hidden, teacher_weight = torch.randn(2, 5, 24) * 0.3, torch.randn(300, 24)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    ids, teacher_logps = head_topk_logps(teacher_hidden.flatten(0, 1), teacher_weight, k=5, tile_elements=900)
+    naive, naive_ids, naive_logps = _naive_topk_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, 5)
+    assert torch.equal(ids.view(2, 5, 5), naive_ids)  # the teacher's top-k, tiled (3 positions per tile here)
+    torch.testing.assert_close(teacher_logps.view(2, 5, 5).double(), naive_logps, atol=1e-5, rtol=1e-5)
+
+    kl = dense_topk_reverse_kl(student_hidden, student_weight, ids.view(2, 5, 5), teacher_logps.view(2, 5, 5), mask)
+    torch.testing.assert_close(kl.double(), naive * mask, atol=1e-5, rtol=1e-4)
+    grads = torch.autograd.grad(kl.sum(), [student_hidden, student_weight])
+    expected = torch.autograd.grad((naive * mask).sum(), [student_hidden, student_weight])
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-4)
+    assert grads[0][0, 3:].abs().sum() == 0  # no gradient where the mask is 0
+
+    # the student's side in tiles of 3 positions (a hand-written backward) against autograd through whole logits
+    bias = torch.randn(300, requires_grad=True)
+    flat_hidden, flat_ids, weights = student_hidden.flatten(0, 1), ids, torch.randn(10, 5)
+    tiled = head_token_logps(flat_hidden, student_weight, flat_ids, head_bias=bias, tile_elements=900)
+    whole = (flat_hidden @ student_weight.T + bias).log_softmax(-1).gather(-1, flat_ids)
+    torch.testing.assert_close(tiled, whole, atol=1e-5, rtol=1e-5)
+    for got, want in zip(torch.autograd.grad((tiled * weights).sum(), [student_hidden, student_weight, bias]),
+                         torch.autograd.grad((whole * weights).sum(), [student_hidden, student_weight, bias]),
+                         strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+    # merging tokens into one bucket can only lower a KL; with every token its own outcome it is the full KL
+    full = dense_reverse_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, mask)
+    assert (kl <= full + 1e-5).all() and (kl[mask.bool()] < full[mask.bool()]).all()
+    all_ids, all_logps = head_topk_logps(teacher_hidden.flatten(0, 1), teacher_weight, k=300)
+    every = dense_topk_reverse_kl(student_hidden, student_weight, all_ids.view(2, 5, 300), all_logps.view(2, 5, 300),
+                                  mask)
+    torch.testing.assert_close(every, full, atol=1e-4, rtol=1e-4)
+
+
+def test_topk_term_never_builds_positions_by_vocab():
+    vocab, positions = 131072, 2 * 112
+    torch.manual_seed(0)
+    student_hidden = torch.randn(2, 112, 64, requires_grad=True)
+    student_weight = (torch.randn(vocab, 64) * 0.02).requires_grad_()
+    teacher_ids, teacher_logps = torch.randint(vocab, (2, 112, 20)), torch.full((2, 112, 20), -3.5)
+    mask = torch.ones(2, 112)
+
+    def naive():
+        student = (student_hidden @ student_weight.T).log_softmax(-1).gather(-1, teacher_ids)
+        tail = (1 - student.exp().sum(-1, keepdim=True)).log()
+        teacher_tail = torch.full_like(tail, (1 - 20 * torch.tensor(-3.5).exp()).log().item())
+        return (student.exp() * (student - teacher_logps)).sum(-1) + (tail.exp() * (tail - teacher_tail)).squeeze(-1)
+
+    with TensorMemoryMeter() as untiled:
+        expected = naive()
+        expected.sum().backward()
+    with TensorMemoryMeter() as tiled:
+        kl = dense_topk_reverse_kl(student_hidden, student_weight, teacher_ids, teacher_logps, mask)
+        kl.sum().backward()
+    torch.testing.assert_close(kl, expected.detach(), atol=1e-4, rtol=1e-4)
+    full_logits = positions * vocab * 4  # one (positions, vocab) float32 tensor: 112 MiB
+    assert untiled.largest >= full_logits
+    assert tiled.largest < full_logits / 3
+    assert tiled.peak < untiled.peak / 3, f"tiled {tiled.peak / 2**20:.0f} MiB, naive {untiled.peak / 2**20:.0f} MiB"
+
+
+def _run(tiny, prompts, make_config, teacher, estimator="full", **overrides):
     trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / teacher),
-                         args=make_config(opd_estimator="full", **overrides), train_dataset=prompts)
+                         args=make_config(opd_estimator=estimator, **overrides), train_dataset=prompts)
     trainer.train()
     return trainer
 
@@ -74,9 +152,47 @@ def test_full_estimator_adds_the_dense_kl_to_the_loss(tiny, prompts, make_config
     )
 
 
+def test_topk_estimator_adds_the_bucketed_kl_to_the_loss(tiny, prompts, make_config):
+    same = _run(tiny, prompts, make_config, "student", "topk", max_steps=1, opd_topk=5)
+    assert same.state.log_history[0]["opd/reverse_kl_topk"] == pytest.approx(0.0, abs=1e-5)
+
+    trainer = _run(tiny, prompts, make_config, "teacher", "topk", max_steps=2, opd_topk=5, opd_dense_coef=0.5)
+    first = trainer.state.log_history[0]
+    assert "opd/reverse_kl_dense" not in first  # the bucketed KL is a lower bound: it has its own name
+    assert first["opd/reverse_kl_topk"] > 0.1
+    assert first["loss"] == pytest.approx(first["opd/reverse_kl"] + 0.5 * first["opd/reverse_kl_topk"], rel=1e-4)
+
+
+def test_local_teacher_topk_is_the_top_of_its_logits(tiny, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from trl_opd.teachers import LocalTeacher
+    from trl_opd.teachers.local import freeze_teacher
+
+    model = freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher"), temperature=2.0)
+    teacher = LocalTeacher(model, batch_size=2, topk=4, temperature=2.0)
+    prompt = tokenizer(["12 + 7 =", "3 + 4 ="], return_tensors="pt", padding=True, padding_side="left")
+    completion = tokenizer([" 19.", " 7"], return_tensors="pt", padding=True, padding_side="right")
+    scores = teacher.score(prompt.input_ids, prompt.attention_mask, completion.input_ids, completion.attention_mask)
+    input_ids = torch.cat([prompt.input_ids, completion.input_ids], 1)
+    attention_mask = torch.cat([prompt.attention_mask, completion.attention_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # the plain forward, no fused head
+    num = completion.input_ids.size(1)
+    expected = (logits[:, -num - 1 : -1] / 2.0).log_softmax(-1).topk(4, dim=-1)
+    valid = completion.attention_mask.bool()
+    assert torch.equal(scores.topk_ids[valid], expected.indices[valid])
+    torch.testing.assert_close(scores.topk_logps[valid], expected.values[valid], atol=1e-5, rtol=1e-5)
+    assert scores.hidden is None  # kept only for the full estimator
+
+
 def test_full_estimator_needs_a_local_teacher(make_config):
     with pytest.raises(ValueError, match="opd_estimator='full' needs the teacher's hidden states"):
         make_config(opd_estimator="full", teacher_server_url="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="opd_estimator='topk' needs one teacher model"):
+        make_config(opd_estimator="topk", ref_as_teacher=True)
+    with pytest.raises(ValueError, match="opd_topk must be at least 1"):
+        make_config(opd_estimator="topk", opd_topk=0)
 
 
 def test_full_lowers_heldout_kl_at_least_as_much_as_sampled_on_a_short_run(tiny, prompts, make_config):

@@ -48,6 +48,35 @@ def test_served_scores_equal_the_local_teacher(teacher_server, tiny, tokenizer):
     assert served_scores.logps[~mask].abs().sum() == 0
 
 
+def test_served_topk_equals_the_local_teachers_and_trains(teacher_server, tiny, tokenizer, prompts, make_config):
+    from transformers import AutoModelForCausalLM
+
+    batch = _padded_batch()
+    served = VLLMServerTeacher(teacher_server, batch_size=2, topk=5)
+    served.connect(tokenizer, student_name="tiny student")
+    local = LocalTeacher(freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher")), batch_size=8, topk=5)
+    served_scores, local_scores = served.score(*batch), local.score(*batch)
+    mask = batch[3].bool()
+    assert served_scores.topk_ids.shape == (*batch[2].shape, 5)
+    assert torch.equal(served_scores.topk_ids[mask], local_scores.topk_ids[mask])
+    assert (served_scores.topk_logps[mask] - local_scores.topk_logps[mask]).abs().max() < 1e-4
+
+    trainer = OPDTrainer(
+        model=str(tiny / "student"), train_dataset=prompts,
+        args=make_config(max_steps=2, teacher_server_url=teacher_server, opd_estimator="topk", opd_topk=20),
+    )
+    trainer.train()
+    first = _opd_logs(trainer)[0]
+    assert first["opd/reverse_kl_topk"] > 0.1
+    assert first["loss"] == pytest.approx(first["opd/reverse_kl"] + first["opd/reverse_kl_topk"], rel=1e-4)
+
+
+def test_topk_beyond_the_servers_limit_is_refused_at_start_up(teacher_server, tokenizer):
+    served = VLLMServerTeacher(teacher_server, topk=21)  # serve-teacher allows 20
+    with pytest.raises(TeacherServerError, match=r"refused POST /v1/completions: HTTP 400"):
+        served.connect(tokenizer, student_name="tiny student")
+
+
 def _opd_logs(trainer):
     return [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
 
@@ -211,6 +240,13 @@ def test_malformed_answers_are_rejected_with_the_sequence(fake_server, prompt_lo
     server = fake_server(_answer(prompt_logprobs))
     with pytest.raises(TeacherServerError, match=message):
         VLLMServerTeacher(server.url).score(*_one_sequence())
+
+
+def test_an_answer_with_fewer_than_k_tokens_is_rejected(fake_server):
+    server = fake_server(_answer([None, {"6": {"logprob": -1.0}}, {"7": {"logprob": -0.5, "rank": 1}},
+                                  {"8": {"logprob": -2.0, "rank": 3}, "3": {"logprob": -0.1, "rank": 1}}]))
+    with pytest.raises(TeacherServerError, match=r"position 0: expected the 2 most likely tokens .* got 1"):
+        VLLMServerTeacher(server.url, topk=2).score(*_one_sequence())
 
 
 def test_api_key_is_sent_but_never_shown(fake_server, monkeypatch):

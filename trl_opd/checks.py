@@ -98,10 +98,10 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
         )
     if args.teachers:
         check_routes(datasets, args)
-    if args.opd_estimator == "full" and args.distributed_state.distributed_type == "DEEPSPEED":
+    if args.opd_estimator != "sampled" and args.distributed_state.distributed_type == "DEEPSPEED":
         raise NotImplementedError(
-            "opd_estimator='full' under DeepSpeed is not supported yet: ZeRO-3 only reduces the LM head's gradient "
-            "for losses computed inside the model's forward. Use the sampled estimator there."
+            f"opd_estimator={args.opd_estimator!r} under DeepSpeed is not supported yet: ZeRO-3 only reduces the LM "
+            "head's gradient for losses computed inside the model's forward. Use the sampled estimator there."
         )
     if reward_funcs and args.num_generations < 2:
         raise ValueError(

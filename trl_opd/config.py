@@ -9,8 +9,7 @@ from trl import GRPOConfig
 
 OPD_OBJECTIVES = ("clipped", "importance_sampling")
 REWARD_COMBINATIONS = ("loss", "advantage")
-# "topk" (the teacher's top-k plus a tail bucket, for served teachers) is planned under the same option
-OPD_ESTIMATORS = ("sampled", "full")
+OPD_ESTIMATORS = ("sampled", "topk", "full")
 # GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -72,17 +71,26 @@ class OPDConfig(GRPOConfig):
     opd_estimator: str = field(
         default="sampled",
         metadata={
-            "help": "'sampled': the per-token advantage of the sampled token in the policy objective. 'full': that, "
-            "plus the exact reverse KL over the whole vocabulary at every completion position as a dense loss term "
-            "(weight opd_dense_coef; local teacher only; computed in tiles).",
+            "help": "'sampled': the per-token advantage of the sampled token in the policy objective. 'topk': that, "
+            "plus a dense loss term (weight opd_dense_coef) at every completion position: the reverse KL over the "
+            "teacher's opd_topk most likely tokens and one bucket for the rest (local or served teacher). 'full': "
+            "that, with the dense term the exact reverse KL over the whole vocabulary (local teacher only). Dense "
+            "terms are computed in tiles.",
             "choices": list(OPD_ESTIMATORS),
         },
     )
     opd_dense_coef: float = field(
         default=1.0,
         metadata={
-            "help": "Weight of the dense reverse-KL term with opd_estimator='full'. Set opd_coef to 0 to train on "
-            "the dense term alone."
+            "help": "Weight of the dense reverse-KL term of opd_estimator 'topk' or 'full'. Set opd_coef to 0 to "
+            "train on the dense term alone."
+        },
+    )
+    opd_topk: int = field(
+        default=20,
+        metadata={
+            "help": "k of opd_estimator='topk': how many of the teacher's most likely tokens per position the dense "
+            "term compares one by one. A served teacher must allow it (vLLM --max-logprobs; serve-teacher sets 20)."
         },
     )
     kl_discount_factor: float = field(
@@ -232,8 +240,16 @@ class OPDConfig(GRPOConfig):
                                              or self.teacher_is_student_base or self.teachers):
             raise ValueError(
                 "opd_estimator='full' needs the teacher's hidden states: it works with one local teacher model "
-                "(teacher_model_name_or_path), not with served, reference, student-base or routed teachers."
+                "(teacher_model_name_or_path), not with served, reference, student-base or routed teachers. "
+                "opd_estimator='topk' works with a served teacher."
             )
+        if self.opd_estimator == "topk" and (self.ref_as_teacher or self.teacher_is_student_base or self.teachers):
+            raise ValueError(
+                "opd_estimator='topk' needs one teacher model, local (teacher_model_name_or_path) or served "
+                "(teacher_server_url), not reference, student-base or routed teachers."
+            )
+        if self.opd_topk < 1:
+            raise ValueError(f"opd_topk must be at least 1, got {self.opd_topk}.")
         if self.opd_reward_combination not in REWARD_COMBINATIONS:
             raise ValueError(
                 f"opd_reward_combination must be one of {REWARD_COMBINATIONS}, got {self.opd_reward_combination!r}."

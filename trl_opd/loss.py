@@ -12,6 +12,8 @@ import math
 
 import torch
 
+# Logits per tile: 2^23 float32 values (32 MiB), e.g. 55 positions of a 151k vocabulary
+TILE_ELEMENTS = 2**23
 # Order of the entries of `opd_metric_sums`, so the vector can be summed across processes in one reduction
 _SUM_NAMES = ("tokens", "kl", "kl_sq", "teacher_logp", "student_logp", "advantage", "agreement", "entropy")
 
@@ -75,6 +77,132 @@ def dense_reverse_kl(
     )
     # masked_scatter keeps the graph even when no position is valid
     return kl.new_zeros(mask.shape).masked_scatter(valid, kl)
+
+
+def dense_topk_reverse_kl(
+    student_hidden: torch.Tensor,
+    student_head_weight: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logps: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    student_head_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`topk_reverse_kl` at each masked-in position, shape (B, T), from the student's final hidden states (B, T, H),
+    its LM head, and the teacher's top-k token ids and log-probs (B, T, k). Masked positions are 0; the gradient
+    flows to the student's hidden states and head only."""
+    valid = mask.bool()
+    student_logps = head_token_logps(
+        student_hidden[valid], student_head_weight, teacher_topk_ids[valid], head_bias=student_head_bias
+    )
+    kl = topk_reverse_kl(student_logps, teacher_topk_logps[valid].to(student_logps.device))
+    return kl.new_zeros(mask.shape).masked_scatter(valid, kl)
+
+
+def topk_reverse_kl(student_topk_logps: torch.Tensor, teacher_topk_logps: torch.Tensor) -> torch.Tensor:
+    """KL(pi_S || pi_T) over k + 1 outcomes: the teacher's top-k tokens one by one, every other token as one tail
+    bucket. Inputs (..., k) are each model's log-probs of the teacher's top-k tokens; output (...).
+
+    Merging tokens into a bucket can only lower a KL, so this is a lower bound on the full-vocabulary KL, equal to it
+    when the tail's two distributions are proportional. A tail mass rounded to 0 counts as 1e-7.
+    """
+    student = torch.cat([student_topk_logps, _tail_logp(student_topk_logps)], dim=-1)
+    teacher = torch.cat([teacher_topk_logps, _tail_logp(teacher_topk_logps)], dim=-1)
+    return (student.exp() * (student - teacher)).sum(-1)
+
+
+def _tail_logp(topk_logps: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum exp(topk_logps)), shape (..., 1), computed stably and floored at log(1e-7)."""
+    covered = topk_logps.logsumexp(-1, keepdim=True).clamp(max=-1e-7)
+    # log(1 - e^x): expm1 is exact near x = 0, log1p near x = -inf
+    tail = torch.where(covered > -math.log(2), torch.log(-torch.expm1(covered)), torch.log1p(-covered.exp()))
+    return tail.clamp(min=math.log(1e-7))
+
+
+def head_topk_logps(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    *,
+    k: int,
+    head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    tile_elements: int = TILE_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens and their log-probs at each position, (N, k) each, from final hidden states (N, H)
+    and an LM head (V, H), without gradient. Positions are projected onto the vocabulary a tile at a time."""
+    ids, logps = [], []
+    with torch.no_grad():
+        for h in hidden.split(_tile_rows(head_weight, tile_elements)):
+            logits = torch.nn.functional.linear(h, head_weight, head_bias).float() / temperature
+            values, indices = logits.log_softmax(-1).topk(k, dim=-1)
+            ids.append(indices)
+            logps.append(values)
+    if not ids:
+        return hidden.new_zeros(0, k, dtype=torch.long), hidden.new_zeros(0, k, dtype=torch.float32)
+    return torch.cat(ids), torch.cat(logps)
+
+
+def head_token_logps(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    head_bias: torch.Tensor | None = None,
+    tile_elements: int = TILE_ELEMENTS,
+) -> torch.Tensor:
+    """Log-probs (N, k) of the token `ids` (N, k) at each position, from final hidden states (N, H) and an LM head
+    (V, H), differentiable in both. Forward and backward project a tile of positions onto the vocabulary at a time
+    (the backward recomputes the tile's logits), so no (N, V) tensor ever exists."""
+    return _TokenLogProbs.apply(hidden, head_weight, head_bias, ids, _tile_rows(head_weight, tile_elements))
+
+
+def _tile_rows(head_weight: torch.Tensor, tile_elements: int) -> int:
+    return max(1, tile_elements // head_weight.size(0))
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """`log_softmax(hidden @ W.T + b)[ids]` in tiles of positions; the backward recomputes each tile's softmax."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, rows):
+        logps = hidden.new_empty(ids.shape, dtype=torch.float32)
+        normalizers = hidden.new_empty(ids.size(0), dtype=torch.float32)
+        for start in range(0, hidden.size(0), rows):
+            tile = slice(start, start + rows)
+            logits = torch.nn.functional.linear(hidden[tile], weight, bias).float()
+            normalizers[tile] = logits.logsumexp(-1)
+            logps[tile] = logits.gather(-1, ids[tile]) - normalizers[tile, None]
+        ctx.save_for_backward(hidden, weight, bias, ids, normalizers)
+        ctx.rows = rows
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):
+        hidden, weight, bias, ids, normalizers = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        wants_bias = bias is not None and ctx.needs_input_grad[2]
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants_bias else None
+        for start in range(0, hidden.size(0), ctx.rows):
+            tile = slice(start, start + ctx.rows)
+            grad = grad_logps[tile].float()
+            # d/dlogits of sum_j g_j log p(ids_j) = onehot(ids) g - softmax * sum_j g_j, built in place
+            grad_logits = torch.nn.functional.linear(hidden[tile], weight, bias).float()
+            grad_logits.sub_(normalizers[tile, None]).exp_().mul_(-grad.sum(-1, keepdim=True))
+            grad_logits.scatter_add_(-1, ids[tile], grad)
+            if grad_hidden is not None:
+                grad_hidden[tile] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, hidden[tile].float())
+            if grad_bias is not None:
+                grad_bias.add_(grad_logits.sum(0))
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+        )
 
 
 def reverse_kl_per_token(teacher_per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor) -> torch.Tensor:

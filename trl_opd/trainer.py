@@ -22,7 +22,7 @@ from trl.trainer.utils import get_config_model_id, pad, use_adapter
 from .checkpoints import resolve_resume
 from .checks import check_opd_inputs
 from .config import OPDConfig
-from .loss import dense_reverse_kl, opd_advantages
+from .loss import dense_reverse_kl, dense_topk_reverse_kl, opd_advantages
 from .metrics import OPDMetricsMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.loading import load_teachers
@@ -144,6 +144,8 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
                 autocast=self.accelerator.autocast,
                 return_hidden=args.opd_estimator == "full",
+                topk=args.opd_topk if args.opd_estimator == "topk" else 0,
+                temperature=args.teacher_temperature,
             ) if name in self.teacher_models else teacher
             for name, teacher in teachers.items()
         }
@@ -213,7 +215,10 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         else:
             output["teacher_advantages"] = teacher_advantages
         if scores.hidden is not None:
-            output["teacher_hidden_states"] = scores.hidden  # (B, T, H_teacher), for the dense term of the loss
+            output["teacher_hidden_states"] = scores.hidden  # (B, T, H_teacher), for the full estimator's term
+        if scores.topk_ids is not None:
+            output["teacher_topk_ids"] = scores.topk_ids  # (B, T, k), for the topk estimator's term
+            output["teacher_topk_logps"] = scores.topk_logps  # (B, T, k)
         self._log_opd_metrics(mode, scores, old_per_token_logps, teacher_advantages, mask)
         return output
 
@@ -261,7 +266,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
     # ------------------------------------------------------------------ loss
 
     def _compute_loss(self, model, inputs):
-        if "teacher_hidden_states" not in inputs:
+        if "teacher_hidden_states" not in inputs and "teacher_topk_ids" not in inputs:
             return self._policy_loss(model, inputs)
         student = self._student_causal_lm()
         hidden = []
@@ -277,22 +282,30 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
     def _dense_loss(self, inputs, student_hidden, student) -> torch.Tensor:
-        """The exact reverse KL over the vocabulary at every completion position, normalised like GRPO's 'dapo'
-        loss (by the generation batch's token count), so it adds to the policy term on the same scale."""
+        """The reverse KL over the vocabulary ('full': exact; 'topk': the teacher's top-k plus a tail bucket) at
+        every completion position, normalised like GRPO's 'dapo' loss (by the generation batch's token count), so it
+        adds to the policy term on the same scale."""
         mode = "train" if self.model.training else "eval"
         num_completion = inputs["completion_ids"].size(1)
         mask = _loss_mask(inputs)
-        student_head, teacher_head = student.get_output_embeddings(), self.teacher.causal_lm.get_output_embeddings()
-        per_token = dense_reverse_kl(
-            student_hidden[:, -num_completion - 1 : -1], student_head.weight,
-            inputs["teacher_hidden_states"], teacher_head.weight, mask,
-            student_head_bias=student_head.bias, teacher_head_bias=teacher_head.bias,
-        )  # (B, T)
+        student_hidden, student_head = student_hidden[:, -num_completion - 1 : -1], student.get_output_embeddings()
+        if "teacher_topk_ids" in inputs:
+            name = "opd/reverse_kl_topk"
+            per_token = dense_topk_reverse_kl(
+                student_hidden, student_head.weight, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask,
+                student_head_bias=student_head.bias,
+            )  # (B, T)
+        else:
+            name, teacher_head = "opd/reverse_kl_dense", self.teacher.causal_lm.get_output_embeddings()
+            per_token = dense_reverse_kl(
+                student_hidden, student_head.weight, inputs["teacher_hidden_states"], teacher_head.weight, mask,
+                student_head_bias=student_head.bias, teacher_head_bias=teacher_head.bias,
+            )  # (B, T)
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         totals = self.accelerator.reduce(torch.stack([per_token.detach().sum(), mask.sum().float()]), "sum")
-        self._metrics[mode]["opd/reverse_kl_dense"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
         return per_token.sum() / normalizer
 
     def _policy_loss(self, model, inputs):

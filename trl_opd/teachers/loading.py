@@ -88,6 +88,7 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str) 
         batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
         timeout=(10.0, args.teacher_server_timeout),
         max_retries=args.teacher_server_max_retries,
+        topk=args.opd_topk if args.opd_estimator == "topk" else 0,
     )
     teacher.connect(student_tokenizer, student_name=student_name)
     return teacher

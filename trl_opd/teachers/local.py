@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
+from ..loss import head_topk_logps
 from .base import TeacherScores
 
 TEACHER_OUTPUTS = ("log_probs", "entropy", "is_top1")
@@ -36,11 +37,15 @@ class LocalTeacher:
         batch_size: int,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         return_hidden: bool = False,
+        topk: int = 0,
+        temperature: float = 1.0,
     ):
         self.model = model
         self.batch_size = batch_size
         self.autocast = autocast
-        self.return_hidden = return_hidden  # keep the final hidden states too (the dense estimator needs them)
+        self.return_hidden = return_hidden  # keep the final hidden states too (the full estimator needs them)
+        self.topk = topk  # also return the k most likely tokens at each position (the topk estimator)
+        self.temperature = temperature  # the temperature the fused head was given by `freeze_teacher`
 
     @property
     def causal_lm(self) -> torch.nn.Module:
@@ -63,7 +68,7 @@ class LocalTeacher:
         # the fused head runs the backbone itself; a hook keeps its output, at the positions that predict completions
         hook = self.causal_lm.base_model.register_forward_hook(
             lambda module, args, out: hidden.append(out.last_hidden_state[:, -num_completion - 1 : -1])
-        ) if self.return_hidden else None
+        ) if self.return_hidden or self.topk else None
         try:
             # Every rank runs the same number of forwards (equal local batches), as ZeRO-3's collective forward needs
             for start in range(0, input_ids.size(0), self.batch_size):
@@ -79,7 +84,18 @@ class LocalTeacher:
         finally:
             if hook is not None:
                 hook.remove()
-        return TeacherScores(
-            logps=torch.cat(logps), is_top1=torch.cat(is_top1), entropy=torch.cat(entropy),
-            hidden=torch.cat(hidden) if hidden else None,
+        scores = TeacherScores(logps=torch.cat(logps), is_top1=torch.cat(is_top1), entropy=torch.cat(entropy))
+        if hidden:
+            hidden = torch.cat(hidden)  # (B, T, H)
+            scores.hidden = hidden if self.return_hidden else None
+            if self.topk:
+                scores.topk_ids, scores.topk_logps = self._topk(hidden)
+        return scores
+
+    def _topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely tokens and their log-probs at each position, (B, T, k) each, projected in tiles."""
+        head = self.causal_lm.get_output_embeddings()
+        ids, logps = head_topk_logps(
+            hidden.flatten(0, 1), head.weight, head_bias=head.bias, k=self.topk, temperature=self.temperature
         )
+        return ids.view(*hidden.shape[:2], -1), logps.view(*hidden.shape[:2], -1)

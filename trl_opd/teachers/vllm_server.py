@@ -44,6 +44,8 @@ class VLLMServerTeacher:
         max_retries: retries of a request after a connection error, a timeout or a 5xx answer, with exponential
             backoff from `backoff` seconds. A 4xx answer is not retried.
         api_key: sent as a bearer token (vLLM's `--api-key`); never logged or put in an error message.
+        topk: also read the teacher's k most likely tokens at each position (the topk estimator). The server must
+            allow k (vLLM's `--max-logprobs`; `trl-opd serve-teacher` sets 20).
     """
 
     def __init__(
@@ -55,11 +57,13 @@ class VLLMServerTeacher:
         max_retries: int = 3,
         backoff: float = 1.0,
         api_key: str | None = None,
+        topk: int = 0,
     ):
         self.urls = [url.rstrip("/") for url in ([urls] if isinstance(urls, str) else urls)]
         if not self.urls:
             raise ValueError("VLLMServerTeacher needs at least one server URL.")
         self.batch_size, self.timeout, self.max_retries, self.backoff = batch_size, timeout, max_retries, backoff
+        self.topk = topk
         self._session = requests.Session()
         adapter = requests.adapters.HTTPAdapter(pool_maxsize=4 * len(self.urls))
         self._session.mount("http://", adapter)
@@ -133,7 +137,7 @@ class VLLMServerTeacher:
                         f"as id {tokenizer.convert_tokens_to_ids(token)} (it reads {ids})."
                     )
             (entries,) = self._score_chunk(url, [expected], first_index=0)
-            _read_entries(entries, expected[:1], expected[1:], index=0, url=url)
+            _read_entries(entries, expected[:1], expected[1:], index=0, url=url, topk=self.topk)
 
     # ------------------------------------------------------------------ scoring
 
@@ -141,7 +145,7 @@ class VLLMServerTeacher:
         answer = self._request(
             "POST", url, "/v1/completions",
             {"model": self.models.get(url, ""), "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
-             "prompt_logprobs": 0},
+             "prompt_logprobs": self.topk},
         )
         choices = sorted(answer.get("choices", []), key=lambda choice: choice["index"])
         if [choice["index"] for choice in choices] != list(range(len(sequences))):
@@ -166,32 +170,42 @@ class VLLMServerTeacher:
 
         logps = torch.zeros(rows, num_completion)
         is_top1 = torch.zeros(rows, num_completion, dtype=torch.bool)
+        topk_ids = torch.zeros(rows, num_completion, self.topk, dtype=torch.long)
+        topk_logps = torch.zeros(rows, num_completion, self.topk)
         has_rank = True
         for indices, url, future in futures:
             for i, entries in zip(indices, future.result(), strict=True):
-                values, ranks = _read_entries(entries, prompts[i], completions[i], index=i, url=url)
+                values, ranks, top = _read_entries(entries, prompts[i], completions[i], index=i, url=url,
+                                                   topk=self.topk)
                 logps[i, : len(values)] = torch.tensor(values)
                 if ranks is None:
                     has_rank = False
                 else:
                     is_top1[i, : len(ranks)] = torch.tensor(ranks) == 1
+                if top:
+                    topk_ids[i, : len(top)] = torch.tensor([[token for token, _ in row] for row in top])
+                    topk_logps[i, : len(top)] = torch.tensor([[logp for _, logp in row] for row in top])
         device = completion_ids.device
-        return TeacherScores(logps=logps.to(device), is_top1=is_top1.to(device) if has_rank else None)
+        scores = TeacherScores(logps=logps.to(device), is_top1=is_top1.to(device) if has_rank else None)
+        if self.topk:
+            scores.topk_ids, scores.topk_logps = topk_ids.to(device), topk_logps.to(device)
+        return scores
 
 
 def _first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def _read_entries(entries, prompt: list[int], completion: list[int], *, index: int, url: str):
-    """The teacher's log-prob (and rank, if given) of each completion token, validated."""
+def _read_entries(entries, prompt: list[int], completion: list[int], *, index: int, url: str, topk: int = 0):
+    """The teacher's log-prob (and rank, if given) of each completion token, and with `topk` the k most likely
+    (token, log-prob) pairs at each completion position in decreasing order, validated."""
     expected = len(prompt) + len(completion)
     if entries is None or len(entries) != expected:
         raise TeacherServerError(
             f"Teacher server {url}: sequence {index} came back with {0 if entries is None else len(entries)} "
             f"prompt log-prob entries, expected {expected} (one per token)."
         )
-    values, ranks = [], []
+    values, ranks, top = [], [], []
     for position, token in enumerate(completion, start=len(prompt)):
         entry = entries[position] or {}
         scored = entry.get(str(token))
@@ -203,4 +217,18 @@ def _read_entries(entries, prompt: list[int], completion: list[int], *, index: i
             )
         values.append(logprob)
         ranks.append(scored.get("rank"))
-    return values, (None if any(rank is None for rank in ranks) else ranks)
+        if topk:
+            top.append(_top_entries(entry, topk, where=f"{url}: sequence {index}, position {position - len(prompt)}"))
+    return values, (None if any(rank is None for rank in ranks) else ranks), top
+
+
+def _top_entries(entry: dict, k: int, *, where: str) -> list[tuple[int, float]]:
+    """The k most likely (token id, log-prob) pairs of one position's answer (the sampled token is there too)."""
+    pairs = sorted(((int(token), scored.get("logprob")) for token, scored in entry.items()),
+                   key=lambda pair: -pair[1] if pair[1] is not None else math.inf)[:k]
+    if len(pairs) < k or not all(logp is not None and math.isfinite(logp) for _, logp in pairs):
+        raise TeacherServerError(
+            f"Teacher server {where}: expected the {k} most likely tokens with finite log-probs, got {len(pairs)}. "
+            f"Start the server with --max-logprobs {k} or more (trl-opd serve-teacher sets 20)."
+        )
+    return pairs
