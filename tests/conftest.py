@@ -18,6 +18,15 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_agent(tmp_path_factory):
+    """The tiny tool-using pair of the arithmetic tool task (`tiny_agent / "student"`, ...); a shorter-trained
+    teacher than `trl-opd make-tiny-agent` builds, which is enough to call the tools in the right format."""
+    from trl_opd.envs import make_tiny_agent
+
+    return make_tiny_agent(tmp_path_factory.mktemp("tiny_agent"), teacher_steps=300)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny):
     from transformers import AutoTokenizer
 
@@ -51,6 +60,7 @@ def make_config(tmp_path):
             bf16=False,
             gradient_checkpointing=False,
             seed=0,
+            opd_estimator="sampled",  # the tests of the other estimators ask for them
         )
         return OPDConfig(**{**defaults, **overrides})
 

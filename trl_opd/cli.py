@@ -3,6 +3,7 @@
     trl-opd --config recipes/smoke_cpu.yaml [--max_steps 5 ...]        # train (also: trl-opd train --config ...)
     accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/smoke_cpu.yaml
     trl-opd make-tiny artifacts/tiny                                    # the local models the smoke recipe uses
+    trl-opd make-tiny-agent artifacts/tiny_agent                        # the tool-using pair of the agent recipe
     trl-opd serve-teacher MODEL [--port 8000] [vllm args]               # a vLLM server for teacher_server_url
     trl-opd check --config recipes/smoke_cpu.yaml                       # one-batch preflight of a recipe
     trl-opd push outputs/smoke --repo-id ORG/NAME [--merge]             # push a saved adapter/model to the Hub
@@ -51,6 +52,17 @@ class OPDScriptArguments(ScriptArguments):
             "from trl.rewards (e.g. accuracy_reward) or a dotted import path (my_module.my_reward)."
         },
     )
+    environment_factory: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dotted import path of an environment class for multi-turn rollouts (GRPO's environment_factory), "
+            "e.g. trl_opd.envs.ArithmeticToolEnv. Only the tokens the student samples are distilled."
+        },
+    )
+    tools: list[str] | None = field(
+        default=None,
+        metadata={"help": "Dotted import paths of tool functions the student may call (GRPO's tools)."},
+    )
 
 
 def make_parser() -> TrlParser:
@@ -94,8 +106,6 @@ def load_prompts(script_args: OPDScriptArguments, split: str):
 
 def load_reward_funcs(names: list[str] | None) -> list:
     """Reward functions from names in `trl.rewards` or dotted import paths (resolved from the working directory)."""
-    import importlib
-
     import trl.rewards
 
     funcs = []
@@ -104,16 +114,25 @@ def load_reward_funcs(names: list[str] | None) -> list:
             if not hasattr(trl.rewards, name):
                 raise ValueError(f"Unknown reward function {name!r}: not in trl.rewards, and not a dotted import path.")
             funcs.append(getattr(trl.rewards, name))
-            continue
-        module_name, attribute = name.rsplit(".", 1)
-        sys.path.insert(0, os.getcwd())
-        try:
-            funcs.append(getattr(importlib.import_module(module_name), attribute))
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"Cannot import reward function {name!r}: {error}") from error
-        finally:
-            sys.path.remove(os.getcwd())
+        else:
+            funcs.append(import_object(name, "reward function"))
     return funcs
+
+
+def import_object(name: str, what: str):
+    """The object at dotted path `name` (`package.module.attribute`), importable from the working directory too."""
+    import importlib
+
+    if "." not in name:
+        raise ValueError(f"{what.capitalize()} {name!r} is not a dotted import path (e.g. my_module.my_object).")
+    module_name, attribute = name.rsplit(".", 1)
+    sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"Cannot import {what} {name!r}: {error}") from error
+    finally:
+        sys.path.remove(os.getcwd())
 
 
 def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig,
@@ -131,6 +150,7 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
+    environment = script_args.environment_factory
     if train_dataset is None:
         train_dataset = load_prompts(script_args, script_args.dataset_train_split)
     eval_dataset = (
@@ -143,6 +163,8 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
         eval_dataset=eval_dataset,
         reward_funcs=load_reward_funcs(script_args.reward_funcs),
         peft_config=get_peft_config(model_args),
+        environment_factory=environment and import_object(environment, "environment_factory"),
+        tools=[import_object(name, "tool") for name in script_args.tools] if script_args.tools else None,
     )
 
 
@@ -177,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
         from .testing import main as make_tiny_main
 
         return make_tiny_main(argv[1:])
+    if argv[:1] == ["make-tiny-agent"]:
+        from .envs.tiny_agent import main as make_tiny_agent_main
+
+        return make_tiny_agent_main(argv[1:])
     if argv[:1] == ["serve-teacher"]:
         from .serve import main as serve_main
 

@@ -20,7 +20,7 @@ class OPDMetricsMixin:
         self._window_tokens = 0
         self._window_start: float | None = None
 
-    def _log_opd_metrics(self, mode, scores, old_per_token_logps, advantages, mask) -> None:
+    def _log_opd_metrics(self, mode, scores, old_per_token_logps, advantages, mask, completion_mask) -> None:
         sums = opd_metric_sums(
             teacher_per_token_logps=scores.logps,
             old_per_token_logps=old_per_token_logps,
@@ -29,12 +29,14 @@ class OPDMetricsMixin:
             teacher_is_top1=scores.is_top1,
             teacher_entropy=scores.entropy,
         )
-        num_sequences = torch.tensor([float(mask.size(0))], device=sums.device)
-        sums = self.accelerator.reduce(torch.cat([sums, num_sequences]), reduction="sum")
-        sums, num_sequences = sums[:-1], sums[-1].item()
+        counts = torch.tensor([float(mask.size(0)), completion_mask.sum().item()], device=sums.device)
+        sums = self.accelerator.reduce(torch.cat([sums, counts]), reduction="sum")
+        sums, (num_sequences, num_completion_tokens) = sums[:-2], sums[-2:].tolist()
         for name, value in opd_metrics_from_sums(sums).items():
             self._metrics[mode][name].append(value)
         num_tokens = int(sums[0].item())
+        # multi-turn: the share of completion tokens that are the student's actions (1.0 when single-turn)
+        self._metrics[mode]["opd/action_token_fraction"].append(num_tokens / max(num_completion_tokens, 1.0))
         self._metrics[mode]["data/completion_tokens_mean"].append(num_tokens / max(num_sequences, 1.0))
         if mode == "train":
             self._completion_tokens_total += num_tokens

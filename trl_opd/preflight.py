@@ -15,21 +15,23 @@ from transformers import AutoTokenizer
 
 # Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
 _REFERENCE_PASS = dict(
-    ref_as_teacher=True, teacher_model_name_or_path=None, teacher_server_url=None, teacher_is_student_base=False,
+    ref_as_teacher=True, opd_estimator="sampled", opd_coef=None,
+    teacher_model_name_or_path=None, teacher_server_url=None, teacher_is_student_base=False,
     teacher_adapter_name_or_path=None, teacher_temperature=1.0, teacher_system_prompt=None, teacher_prompt_column=None,
 )
 ZERO_KL_TOLERANCE = 1e-4
 
 
-def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple[dict, object]:
+def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple[dict, object, dict]:
     from .cli import build_trainer
 
     trainer = build_trainer(script_args, training_args, model_args, train_dataset=dataset)
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
-    trainer._generate_and_score_completions(batch)
+    output = trainer._generate_and_score_completions(batch)
     metrics = trainer._metrics["train"]
-    return {name: sum(values) / len(values) for name, values in metrics.items() if name.startswith("opd/")}, trainer
+    opd = {name: sum(values) / len(values) for name, values in metrics.items() if name.startswith("opd/")}
+    return opd, trainer, output
 
 
 def _render(tokenizer, prompt) -> str:
@@ -51,9 +53,9 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     teacher_args = dataclasses.replace(training_args, **common)
     rows = dataset.select(range(min(len(dataset), teacher_args.generation_batch_size)))
 
-    reference, _ = _one_batch_metrics(script_args, reference_args, model_args, rows)
+    reference, _, _ = _one_batch_metrics(script_args, reference_args, model_args, rows)
     echo("tokenizers: the student and the teacher agree (checked at start-up)")
-    teacher, trainer = _one_batch_metrics(script_args, teacher_args, model_args, rows)
+    teacher, trainer, output = _one_batch_metrics(script_args, teacher_args, model_args, rows)
 
     prompt = rows[0]["prompt"]
     teacher_prompt = rows[0][training_args.teacher_prompt_column] if training_args.teacher_prompt_column else (
@@ -68,6 +70,8 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     echo("  (the teacher scores the student's rendering of its own prompt, token for token; a different template "
          "here means the teacher's own format differs from what it will see)")
 
+    _echo_rollout(trainer.processing_class, output, echo)
+
     kl = reference["opd/reverse_kl"]
     ok = abs(kl) <= ZERO_KL_TOLERANCE
     echo(f"reference as teacher: opd/reverse_kl = {kl:.6f} "
@@ -75,3 +79,17 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     details = ", ".join(f"{name} = {value:.4f}" for name, value in sorted(teacher.items()))
     echo(f"recipe's teacher: {details}")
     return {"ok": ok, "reference": reference, "teacher": teacher}
+
+
+def _echo_rollout(tokenizer, output, echo) -> None:
+    """One rollout with what is distilled: a multi-turn one (observations present) if the batch has any."""
+    from .multiturn import render_action_mask
+
+    completion_mask, action_mask = output["completion_mask"], output["action_mask"]
+    multi_turn = ((completion_mask - action_mask) > 0).any(-1).nonzero().flatten().tolist()
+    row = multi_turn[0] if multi_turn else 0
+    length = int(completion_mask[row].sum())
+    rendered = render_action_mask(tokenizer, output["completion_ids"][row, :length].tolist(),
+                                  action_mask[row, :length].tolist())
+    echo(f"a sampled completion; the student is trained on every token outside ⟦...⟧ (the teacher reads all):\n"
+         f"{rendered}")

@@ -24,6 +24,7 @@ from .checks import check_opd_inputs
 from .config import OPDConfig
 from .loss import dense_reverse_kl, dense_topk_reverse_kl, opd_advantages
 from .metrics import OPDMetricsMixin
+from .multiturn import action_mask
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.loading import load_teachers
 from .teachers.local import freeze_teacher
@@ -53,6 +54,9 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         processing_class: the student's tokenizer; loaded from the student's path when omitted.
         reward_funcs: optional GRPO reward functions, mixed with the teacher signal (see `opd_reward_combination`).
         peft_config: a PEFT config to train an adapter instead of the full student.
+        tools / environment_factory / rollout_func: GRPO's multi-turn paths, unchanged. Only the tokens the student
+            sampled are distilled: GRPO's tool mask, or an `action_mask` a rollout function returns per row (see
+            `_action_mask`). An environment's `get_reward` joins the reward functions, as in GRPO.
         teacher_processing_class: the teacher's tokenizer, for the compatibility check; loaded from the teacher's
             path when omitted (and taken to be the student's for a teacher model with no path).
     """
@@ -73,6 +77,9 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         optimizers=(None, None),
         peft_config=None,
         teacher_processing_class=None,
+        tools=None,
+        environment_factory=None,
+        rollout_func=None,
     ):
         student_name = model if isinstance(model, str) else get_config_model_id(model.config)
         if args is None:
@@ -80,6 +87,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         if not isinstance(args, OPDConfig):
             raise TypeError(f"OPDTrainer needs an OPDConfig, got {type(args).__name__}.")
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
+        args.resolve_estimator(teacher_model)
         check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
@@ -105,13 +113,19 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 callbacks=callbacks,
                 optimizers=optimizers,
                 peft_config=peft_config,
+                tools=tools,
+                environment_factory=environment_factory,
+                rollout_func=rollout_func,
             )
         finally:
             args.beta = user_beta
         self.beta = user_beta  # no KL penalty unless asked for; the reference teacher computes its own log-probs
-        if not reward_funcs:
-            self.reward_funcs, self.reward_func_names, self.reward_processing_classes = [], [], []
-            self.reward_weights = torch.ones(0)
+        if not reward_funcs:  # drop the placeholder; an environment's `get_reward`, if any, stays
+            keep = [i for i, func in enumerate(self.reward_funcs) if func is not _teacher_only]
+            self.reward_funcs = [self.reward_funcs[i] for i in keep]
+            self.reward_func_names = [self.reward_func_names[i] for i in keep]
+            self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
+            self.reward_weights = self.reward_weights[keep]
         if args.opd_objective == "importance_sampling":
             # clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly
             self.epsilon_low, self.epsilon_high = 1.0, float("inf")
@@ -195,7 +209,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 self._metrics[mode].pop(name, None)
 
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        mask = _loss_mask(output)  # (B, T)
+        mask = self._action_mask(inputs, output)  # (B, T)
         if output.get("old_per_token_logps") is None:
             output["old_per_token_logps"] = self._student_logps(
                 output["prompt_ids"], output["prompt_mask"], completion_ids, completion_mask
@@ -219,8 +233,16 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
         if scores.topk_ids is not None:
             output["teacher_topk_ids"] = scores.topk_ids  # (B, T, k), for the topk estimator's term
             output["teacher_topk_logps"] = scores.topk_logps  # (B, T, k)
-        self._log_opd_metrics(mode, scores, old_per_token_logps, teacher_advantages, mask)
+        self._log_opd_metrics(mode, scores, old_per_token_logps, teacher_advantages, mask, completion_mask)
         return output
+
+    def _action_mask(self, inputs, output) -> torch.Tensor:
+        """The tokens to distil, (B, T) (see `action_mask`). GRPO's loss reads `tool_mask`, so that is set to the same
+        mask, and the batch's token count is recomputed from it."""
+        mask = action_mask(inputs, output["completion_mask"], output.get("tool_mask"))
+        output["action_mask"] = output["tool_mask"] = mask
+        output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
+        return mask
 
     def _score_with_teacher(self, inputs, output) -> TeacherScores:
         if self.args.ref_as_teacher and "ref_per_token_logps" in output:
@@ -358,8 +380,8 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
 
 
 def _loss_mask(batch) -> torch.Tensor:
-    """Completion tokens the student sampled: GRPO's completion mask, without tool outputs when there are any."""
-    return batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+    """Completion tokens the student sampled (see `OPDTrainer._action_mask`)."""
+    return batch["action_mask"]
 
 
 def _with_system_message(prompt, system: str):

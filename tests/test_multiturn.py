@@ -1,0 +1,177 @@
+"""Multi-turn rollouts: only the tokens the student sampled are distilled; observations are context only."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from trl_opd import OPDTrainer
+
+# What code appends between two student turns: the observation message and the next assistant header
+OBSERVATION = "\n<|im_start|>user\nObservation: 7<|im_end|>\n<|im_start|>assistant\n"
+
+
+def scripted_rollout(prompts, trainer):
+    """GRPO's `rollout_func` path: even rows are two student turns around an observation, with an `action_mask`;
+    odd rows are one turn and carry no mask (the trainer falls back to the completion mask there).
+
+    A turn that stopped at the token limit gets its end-of-turn token appended by code, masked 0 like the
+    observation; one the student ended itself keeps its sampled end-of-turn token, masked 1.
+    """
+    tokenizer = trainer.processing_class
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    eos, observation = tokenizer.eos_token_id, tokenizer.encode(OBSERVATION)
+
+    def turn(ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), do_sample=True, max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+        return out[0, len(ids):].tolist()
+
+    result = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "action_mask": []}
+    for i, prompt in enumerate(prompts):
+        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
+        first = turn(prompt_ids, 6)
+        if i % 2:
+            completion, mask = first, None
+        else:
+            closing = [] if first[-1] == eos else [eos]  # appended by code, not sampled
+            context = first + closing + observation
+            second = turn(prompt_ids + context, 6)
+            completion = context + second
+            mask = [1] * len(first) + [0] * (len(closing) + len(observation)) + [1] * len(second)
+        result["prompt_ids"].append(prompt_ids)
+        result["completion_ids"].append(completion)
+        result["action_mask"].append(mask)
+    return result
+
+
+def _trainer(tiny, prompts, make_config, **overrides):
+    config = make_config(max_completion_length=64, per_device_train_batch_size=4, **overrides)
+    return OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=config,
+                      train_dataset=prompts, rollout_func=scripted_rollout)
+
+
+def _batch(trainer, prompts):
+    torch.manual_seed(0)
+    rows = [dict(prompts[i]) for i in range(4)]
+    return rows, trainer._generate_and_score_completions(rows)
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "topk", "full"])
+def test_no_gradient_reaches_observation_or_template_positions(tiny, prompts, make_config, estimator):
+    trainer = _trainer(tiny, prompts, make_config, opd_estimator=estimator)
+    rows, batch = _batch(trainer, prompts)
+    mask = batch["action_mask"]
+    assert (mask == 0).logical_and(batch["completion_mask"] == 1).any(), "the batch must hold observations"
+
+    # the final hidden state at a position feeds only that position's logits, so its gradient is zero exactly when
+    # the gradient of the loss with respect to those logits is
+    hidden = []
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    hook = student.model.register_forward_hook(
+        lambda module, args, out: hidden.append(out.last_hidden_state) or out.last_hidden_state.retain_grad()
+    )
+    try:
+        trainer.compute_loss(trainer.model, batch).backward()
+    finally:
+        hook.remove()
+    num_prompt, num_completion = batch["prompt_ids"].size(1), batch["completion_ids"].size(1)
+    grad = hidden[0].grad[:, num_prompt - 1 : num_prompt + num_completion - 1].abs().sum(-1)  # (B, T)
+    assert grad[mask == 0].max() == 0  # observations, template tokens, padding: exactly zero
+    assert (grad[mask == 1] > 0).all()  # every sampled token: non-zero
+
+
+def test_teacher_scores_actions_with_the_whole_sequence_as_context(tiny, prompts, make_config):
+    trainer = _trainer(tiny, prompts, make_config)
+    _, batch = _batch(trainer, prompts)
+    scores = trainer.teacher.score(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                   batch["completion_mask"])
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():  # one plain forward of the teacher over prompt, turns and observations together
+        logits = trainer.teacher_model(input_ids=input_ids, attention_mask=attention_mask).logits
+    num_completion = batch["completion_ids"].size(1)
+    logps = logits[:, -num_completion - 1 : -1].log_softmax(-1)
+    expected = logps.gather(-1, batch["completion_ids"][..., None])[..., 0]
+    actions = batch["action_mask"].bool()
+    torch.testing.assert_close(scores.logps[actions], expected[actions], atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_trains_with_the_fallback_mask_on_rows_without_one(tiny, prompts, make_config):
+    trainer = _trainer(tiny, prompts, make_config, max_steps=2)
+    rows, batch = _batch(trainer, prompts)
+    for i, row in enumerate(rows):
+        length = int(batch["completion_mask"][i].sum())
+        expected = batch["completion_mask"][i] if row["action_mask"] is None else torch.tensor(
+            row["action_mask"] + [0] * (batch["completion_mask"].size(1) - length)
+        )
+        assert torch.equal(batch["action_mask"][i], expected)
+    assert batch["num_items_in_batch"] == batch["action_mask"].sum()
+
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    logs = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry["opd/reverse_kl"]) for entry in logs)
+    assert all(0.0 < entry["opd/action_token_fraction"] < 1.0 for entry in logs)
+
+
+def test_an_action_mask_of_the_wrong_length_is_refused(tiny, prompts, make_config):
+    def bad_rollout(prompts, trainer):
+        result = scripted_rollout(prompts, trainer)
+        result["action_mask"][0] = result["action_mask"][0][:-1] if result["action_mask"][0] else [1]
+        return result
+
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                         args=make_config(max_completion_length=64), rollout_func=bad_rollout)
+    with pytest.raises(ValueError, match=r"Row 0: the rollout's action_mask has \d+ entries but its completion has"):
+        trainer._generate_and_score_completions([dict(prompts[i]) for i in range(4)])
+
+
+def test_tool_environment_rollouts_distil_only_what_the_student_sampled(tiny_agent, make_config):
+    from datasets import load_dataset
+
+    from trl_opd.envs import ArithmeticToolEnv
+    from trl_opd.multiturn import render_action_mask
+
+    prompts = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train")
+    trainer = OPDTrainer(
+        model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"), train_dataset=prompts,
+        environment_factory=ArithmeticToolEnv,
+        args=make_config(max_steps=2, per_device_train_batch_size=8, max_completion_length=128,
+                         max_tool_calling_iterations=3, opd_estimator=None),  # the default: full, one local teacher
+    )
+    torch.manual_seed(0)
+    batch = trainer._generate_and_score_completions([dict(prompts[i]) for i in range(8)])
+    tokenizer, eos = trainer.processing_class, trainer.processing_class.eos_token_id
+    observations = 0
+    for ids, completion_mask, mask in zip(batch["completion_ids"], batch["completion_mask"], batch["action_mask"],
+                                          strict=True):
+        ids, mask = ids[completion_mask.bool()].tolist(), mask[completion_mask.bool()].tolist()
+        text = render_action_mask(tokenizer, ids, mask, context=("[", "]"))
+        # outside the brackets: the student's turns, each ending with the end-of-turn token it sampled; inside: one
+        # tool result and the template tokens around it, never anything the student sampled
+        for span in re.findall(r"\[(.*?)\]", text, flags=re.DOTALL):
+            assert re.fullmatch(r"\n<\|im_start\|>tool\n.*<\|im_end\|>\n<\|im_start\|>assistant\n", span, re.DOTALL)
+            observations += 1
+        starts = [t for t in range(1, len(mask)) if mask[t - 1] == 1 and mask[t] == 0]
+        assert all(ids[t - 1] == eos for t in starts)
+    assert observations > 0, "no rollout called a tool"
+
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    logs = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+    assert all(math.isfinite(entry["opd/reverse_kl"] + entry["opd/reverse_kl_dense"]) for entry in logs)
+    assert all(0.0 < entry["opd/action_token_fraction"] < 1.0 for entry in logs)
+
+
+def test_render_action_mask_brackets_what_is_not_distilled(tokenizer):
+    from trl_opd.multiturn import render_action_mask
+
+    ids = tokenizer.encode("The answer" + OBSERVATION + "is 7.")
+    observation = len(tokenizer.encode("The answer")), len(tokenizer.encode("The answer" + OBSERVATION))
+    mask = [0 if observation[0] <= i < observation[1] else 1 for i in range(len(ids))]
+    assert render_action_mask(tokenizer, ids, mask) == f"The answer⟦{OBSERVATION}⟧is 7."

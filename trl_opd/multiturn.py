@@ -1,0 +1,51 @@
+"""Multi-turn rollouts: which completion tokens are the student's actions, and so are distilled.
+
+A multi-turn completion interleaves what the student sampled (its turns, each ending with the end-of-turn token it
+sampled) with what code added: tool or environment observations and the chat-template tokens around them (the
+newline after an end-of-turn token, the observation's role header, the next assistant header). Only the sampled
+tokens are actions. The teacher scores the whole sequence, observations included, as context; the advantage, the
+loss and every `opd/*` metric count actions only.
+
+Token ids are never re-tokenised: GRPO's tool loop appends observation ids to the sampled ids, and a rollout function
+returns ids, so what is scored is exactly what was sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def action_mask(inputs: list[dict], completion_mask: torch.Tensor, tool_mask: torch.Tensor | None) -> torch.Tensor:
+    """1 exactly on the completion tokens the student sampled, (B, T).
+
+    A row whose input carries an `action_mask` (a rollout function's extra field: one 0/1 per completion token) uses
+    it. Other rows fall back to `completion_mask * tool_mask`: GRPO's tool loop (`tools`, `environment_factory`) sets
+    the tool mask to 0 on observations and the template tokens around them, a rollout function's `env_mask` becomes
+    it, and without either every completion token is an action.
+    """
+    mask = completion_mask * tool_mask if tool_mask is not None else completion_mask.clone()
+    for i, row in enumerate(inputs):
+        given = row.get("action_mask")
+        if given is None:
+            continue
+        length = int(completion_mask[i].sum())
+        if len(given) != length:
+            raise ValueError(
+                f"Row {i}: the rollout's action_mask has {len(given)} entries but its completion has {length} tokens. "
+                "Return one 0/1 per completion token: 1 where the student sampled the token, 0 elsewhere."
+            )
+        mask[i, :length] = torch.as_tensor(given, dtype=mask.dtype, device=mask.device)
+        mask[i] *= completion_mask[i]  # a truncated completion that GRPO masked out stays masked out
+    return mask
+
+
+def render_action_mask(tokenizer, completion_ids: list[int], mask: list[int], *, context=("⟦", "⟧")) -> str:
+    """The completion as text with every run of non-action tokens (observations, template tokens, padding excluded
+    by the caller) wrapped in `context` brackets: what the teacher reads but the student is not trained on."""
+    pieces, start = [], 0
+    for end in range(1, len(completion_ids) + 1):
+        if end == len(completion_ids) or mask[end] != mask[start]:
+            text = tokenizer.decode(completion_ids[start:end])
+            pieces.append(text if mask[start] else f"{context[0]}{text}{context[1]}")
+            start = end
+    return "".join(pieces)
