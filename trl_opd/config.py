@@ -52,11 +52,13 @@ class OPDConfig(GRPOConfig):
             "path, e.g. `{\"dtype\": \"bfloat16\"}`."
         },
     )
-    opd_coef: float = field(
-        default=1.0,
+    opd_coef: float | None = field(
+        default=None,
         metadata={
-            "help": "Scale of the teacher advantage, `A = opd_coef * (teacher_logp - student_old_logp)`: the beta or "
-            "KL penalty coefficient of the on-policy distillation references."
+            "help": "Scale of the sampled-token teacher advantage, `A = opd_coef * (teacher_logp - student_old_logp)`: "
+            "the beta or KL penalty coefficient of the on-policy distillation references. Default: 1 with the "
+            "'sampled' estimator, 0 with 'topk' and 'full' (their dense term alone measured best; set it > 0 to add "
+            "the sampled term and its sequence-level credit)."
         },
     )
     opd_objective: str = field(
@@ -68,14 +70,17 @@ class OPDConfig(GRPOConfig):
             "choices": list(OPD_OBJECTIVES),
         },
     )
-    opd_estimator: str = field(
-        default="sampled",
+    opd_estimator: str | None = field(
+        default=None,
         metadata={
-            "help": "'sampled': the per-token advantage of the sampled token in the policy objective. 'topk': that, "
-            "plus a dense loss term (weight opd_dense_coef) at every completion position: the reverse KL over the "
-            "teacher's opd_topk most likely tokens and one bucket for the rest (local or served teacher). 'full': "
-            "that, with the dense term the exact reverse KL over the whole vocabulary (local teacher only). Dense "
-            "terms are computed in tiles.",
+            "help": "How the teacher's signal reaches the student. 'sampled': the per-token advantage of the "
+            "sampled token in the policy objective. 'topk': a dense loss term (weight opd_dense_coef) at every "
+            "completion position, the reverse KL over the teacher's opd_topk most likely tokens and one bucket for "
+            "the rest (local or served teacher). 'full': the dense term is the exact reverse KL over the whole "
+            "vocabulary (one local teacher). Dense terms are computed in tiles; with opd_coef > 0 the sampled term is "
+            "added to them. Default: the best one the teacher source supports, as measured (README): 'full' for one "
+            "local teacher, 'topk' for a served one, 'sampled' otherwise (reference, student-base and routed "
+            "teachers, and under DeepSpeed).",
             "choices": list(OPD_ESTIMATORS),
         },
     )
@@ -198,6 +203,22 @@ class OPDConfig(GRPOConfig):
         },
     )
 
+    def resolve_estimator(self, teacher_model=None) -> None:
+        """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known:
+        `teacher_model` is what the trainer was given, if anything."""
+        from .teachers.vllm_server import is_served
+
+        if self.opd_estimator is None:
+            if (self.ref_as_teacher or self.teacher_is_student_base or self.teachers
+                    or self.distributed_state.distributed_type == "DEEPSPEED"):
+                self.opd_estimator = "sampled"
+            elif self.teacher_server_url or is_served(teacher_model):
+                self.opd_estimator = "topk"
+            else:
+                self.opd_estimator = "full"
+        if self.opd_coef is None:
+            self.opd_coef = 1.0 if self.opd_estimator == "sampled" else 0.0
+
     def __post_init__(self):
         if self.num_generations == 1:
             self.num_generations = _UngroupedOne(1)
@@ -234,7 +255,7 @@ class OPDConfig(GRPOConfig):
             )
         if self.teacher_system_prompt and self.teacher_prompt_column:
             raise ValueError("Set teacher_system_prompt or teacher_prompt_column, not both.")
-        if self.opd_estimator not in OPD_ESTIMATORS:
+        if self.opd_estimator is not None and self.opd_estimator not in OPD_ESTIMATORS:
             raise ValueError(f"opd_estimator must be one of {OPD_ESTIMATORS}, got {self.opd_estimator!r}.")
         if self.opd_estimator == "full" and (self.teacher_server_url or self.ref_as_teacher
                                              or self.teacher_is_student_base or self.teachers):
