@@ -21,7 +21,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def run(tiny: Path, *, seed: int, steps: int, eval_every: int, lora: bool, heldout: list) -> dict:
+def run(tiny: Path, *, seed: int, steps: int, eval_every: int, lora: bool, heldout: list, estimator: str) -> dict:
     from datasets import load_dataset
     from peft import LoraConfig
 
@@ -32,7 +32,7 @@ def run(tiny: Path, *, seed: int, steps: int, eval_every: int, lora: bool, heldo
         args = OPDConfig(
             output_dir=output_dir, per_device_train_batch_size=16, num_generations=1, max_completion_length=24,
             learning_rate=3e-3 if lora else 1e-3, max_steps=steps, logging_steps=eval_every, save_strategy="no",
-            report_to="none", bf16=False, gradient_checkpointing=False, seed=seed,
+            report_to="none", bf16=False, gradient_checkpointing=False, seed=seed, opd_estimator=estimator,
         )
         trainer = OPDTrainer(
             model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=args,
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--estimator", default="sampled", choices=["sampled", "topk", "full"])
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args()
 
@@ -66,7 +67,8 @@ def main() -> None:
     results = {}
     for name, lora in (("full", False), ("lora", True)):
         results[name] = [
-            run(tiny, seed=seed, steps=args.steps, eval_every=args.eval_every, lora=lora, heldout=heldout)
+            run(tiny, seed=seed, steps=args.steps, eval_every=args.eval_every, lora=lora, heldout=heldout,
+                estimator=args.estimator)
             for seed in args.seeds
         ]
 

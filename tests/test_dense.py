@@ -141,12 +141,13 @@ def test_full_estimator_adds_the_dense_kl_to_the_loss(tiny, prompts, make_config
     same = _run(tiny, prompts, make_config, "student", max_steps=1)
     assert same.state.log_history[0]["opd/reverse_kl_dense"] == pytest.approx(0.0, abs=1e-5)
 
-    trainer = _run(tiny, prompts, make_config, "teacher", max_steps=2, opd_dense_coef=0.5)
+    trainer = _run(tiny, prompts, make_config, "teacher", max_steps=2, opd_dense_coef=0.5, opd_coef=1.0)
     first = trainer.state.log_history[0]
     assert first["opd/reverse_kl_dense"] > 0.1
     # on-policy (ratio 1), the dapo policy loss is the mean sampled reverse KL: loss = sampled + 0.5 * dense
     assert first["loss"] == pytest.approx(first["opd/reverse_kl"] + 0.5 * first["opd/reverse_kl_dense"], rel=1e-4)
-    dense_only = _run(tiny, prompts, make_config, "teacher", max_steps=1, opd_coef=0.0)
+    dense_only = _run(tiny, prompts, make_config, "teacher", max_steps=1)  # opd_coef defaults to 0 with a dense term
+    assert dense_only.args.opd_coef == 0.0
     assert dense_only.state.log_history[0]["loss"] == pytest.approx(
         dense_only.state.log_history[0]["opd/reverse_kl_dense"], rel=1e-4
     )
@@ -156,7 +157,8 @@ def test_topk_estimator_adds_the_bucketed_kl_to_the_loss(tiny, prompts, make_con
     same = _run(tiny, prompts, make_config, "student", "topk", max_steps=1, opd_topk=5)
     assert same.state.log_history[0]["opd/reverse_kl_topk"] == pytest.approx(0.0, abs=1e-5)
 
-    trainer = _run(tiny, prompts, make_config, "teacher", "topk", max_steps=2, opd_topk=5, opd_dense_coef=0.5)
+    trainer = _run(tiny, prompts, make_config, "teacher", "topk", max_steps=2, opd_topk=5, opd_dense_coef=0.5,
+                   opd_coef=1.0)
     first = trainer.state.log_history[0]
     assert "opd/reverse_kl_dense" not in first  # the bucketed KL is a lower bound: it has its own name
     assert first["opd/reverse_kl_topk"] > 0.1
@@ -212,3 +214,19 @@ def test_full_lowers_heldout_kl_at_least_as_much_as_sampled_on_a_short_run(tiny,
         results[estimator] = heldout_reverse_kl(trainer.model, trainer.teacher_model, trainer.processing_class,
                                                 heldout, max_new_tokens=16, seed=7)["reverse_kl_exact"]
     assert results["full"] <= results["sampled"], results
+
+
+def test_the_default_estimator_is_the_best_one_the_teacher_source_supports(make_config):
+    sources = {
+        "full": {"teacher_model_name_or_path": "a/teacher"},
+        "topk": {"teacher_server_url": "http://127.0.0.1:9"},
+        "sampled": {"ref_as_teacher": True},
+    }
+    for expected, source in sources.items():
+        args = make_config(opd_estimator=None, **source)
+        args.resolve_estimator()
+        assert args.opd_estimator == expected
+        assert args.opd_coef == (1.0 if expected == "sampled" else 0.0)  # a dense term alone, unless asked for more
+    args = make_config(opd_estimator=None, opd_coef=0.5)
+    args.resolve_estimator(teacher_model="http://127.0.0.1:9")  # a served teacher given to the trainer
+    assert (args.opd_estimator, args.opd_coef) == ("topk", 0.5)

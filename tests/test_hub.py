@@ -48,8 +48,8 @@ def test_push_to_an_unreachable_hub_fails_once_after_a_complete_local_save(tiny,
     assert "model.safetensors" not in files
     card = (output_dir / "README.md").read_text()
     for expected in (f"base_model: {tiny / 'student'}", "library_name: peft", f"**Teacher:** {tiny / 'teacher'}",
-                     f"**Recipe:** {SMOKE}", f"**Dataset:** {tiny / 'train.jsonl'}", "| `opd_coef` | 1.0 |",
-                     "| `opd/reverse_kl` |", "| `step` | 2 |", "AutoPeftModelForCausalLM"):
+                     f"**Recipe:** {SMOKE}", f"**Dataset:** {tiny / 'train.jsonl'}", "| `opd_estimator` | full |",
+                     "| `opd_coef` | 0.0 |", "| `opd/reverse_kl` |", "| `step` | 2 |", "AutoPeftModelForCausalLM"):
         assert expected in card, expected
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny / "student"), output_dir)
     assert torch.isfinite(model(torch.tensor([[1, 263, 264]])).logits).all()

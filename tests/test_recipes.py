@@ -33,7 +33,8 @@ def test_recipe_parses_and_documents_its_launch(recipe):
     assert training_args.teacher_server_url == ([served] if isinstance(served, str) else served)
     assert (training_args.teacher_model_name_or_path is None) != (training_args.teacher_server_url is None)
     assert script_args.dataset_name == raw["dataset_name"]
-    assert training_args.opd_coef == raw.get("opd_coef", 1.0)
+    # unset estimator fields stay unset until the trainer knows the teacher source (see OPDConfig.resolve_estimator)
+    assert (training_args.opd_estimator, training_args.opd_coef) == (raw.get("opd_estimator"), raw.get("opd_coef"))
     if "teacher_model_init_kwargs" in raw:
         assert training_args.teacher_model_init_kwargs == raw["teacher_model_init_kwargs"]
 

@@ -91,5 +91,6 @@ def _echo_rollout(tokenizer, output, echo) -> None:
     length = int(completion_mask[row].sum())
     rendered = render_action_mask(tokenizer, output["completion_ids"][row, :length].tolist(),
                                   action_mask[row, :length].tolist())
-    echo(f"a sampled completion; the student is trained on every token outside ⟦...⟧ (the teacher reads all):\n"
-         f"{rendered}")
+    prompt = tokenizer.decode(output["prompt_ids"][row][output["prompt_mask"][row].bool()])
+    echo(f"a sampled rollout; the student is trained on every completion token outside ⟦...⟧ (the teacher reads all, "
+         f"prompt included):\n⟦{prompt}⟧{rendered}")
