@@ -197,22 +197,31 @@ def test_full_estimator_needs_a_local_teacher(make_config):
         make_config(opd_estimator="topk", opd_topk=0)
 
 
-def test_full_lowers_heldout_kl_at_least_as_much_as_sampled_on_a_short_run(tiny, prompts, make_config):
+def test_short_benchmark_every_estimator_trains_and_full_lowers_heldout_kl_at_least_as_much_as_sampled(
+    tiny, prompts, make_config
+):
+    """benchmarks/estimators.py in small: one seed, a few steps, held-out exact KL by the project's own evaluation."""
     import json
 
     from trl_opd.evaluation import heldout_reverse_kl
 
     heldout = [json.loads(line)["prompt"] for line in open(tiny / "heldout.jsonl")][:16]
     results = {}
-    for estimator in ("sampled", "full"):
+    for estimator in ("sampled", "topk", "full"):
         trainer = OPDTrainer(
             model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
             args=make_config(opd_estimator=estimator, max_steps=8, per_device_train_batch_size=8,
                              max_completion_length=16, learning_rate=1e-3),
         )
+
+        def evaluate(trainer=trainer):
+            return heldout_reverse_kl(trainer.model, trainer.teacher_model, trainer.processing_class, heldout,
+                                      max_new_tokens=16, seed=7)["reverse_kl_exact"]
+
+        results.setdefault("before", evaluate())
         trainer.train()
-        results[estimator] = heldout_reverse_kl(trainer.model, trainer.teacher_model, trainer.processing_class,
-                                                heldout, max_new_tokens=16, seed=7)["reverse_kl_exact"]
+        results[estimator] = evaluate()
+    assert all(results[estimator] < results["before"] for estimator in ("sampled", "topk", "full")), results
     assert results["full"] <= results["sampled"], results
 
 

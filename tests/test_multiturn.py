@@ -175,3 +175,18 @@ def test_render_action_mask_brackets_what_is_not_distilled(tokenizer):
     observation = len(tokenizer.encode("The answer")), len(tokenizer.encode("The answer" + OBSERVATION))
     mask = [0 if observation[0] <= i < observation[1] else 1 for i in range(len(ids))]
     assert render_action_mask(tokenizer, ids, mask) == f"The answer⟦{OBSERVATION}⟧is 7."
+
+
+def test_an_environment_with_its_own_reward_needs_groups(tiny_agent, make_config):
+    from datasets import load_dataset
+
+    from trl_opd.envs import ArithmeticToolEnv
+
+    class Rewarded(ArithmeticToolEnv):
+        def get_reward(self) -> float:
+            return 1.0
+
+    prompts = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train")
+    with pytest.raises(ValueError, match=r"Reward functions need groups .* set num_generations >= 2"):
+        OPDTrainer(model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"), train_dataset=prompts,
+                   environment_factory=Rewarded, args=make_config(max_completion_length=128))

@@ -88,7 +88,11 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             raise TypeError(f"OPDTrainer needs an OPDConfig, got {type(args).__name__}.")
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
         args.resolve_estimator(teacher_model)
-        check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config)
+        # an environment class's `get_reward` becomes a reward function in GRPO, with what that asks of the batch
+        factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+        env_rewards = [factory.get_reward for factory in factories if hasattr(factory, "get_reward")]
+        check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs + env_rewards,
+                         peft_config)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
                 student_name, padding_side="left", truncation_side="left", trust_remote_code=args.trust_remote_code
