@@ -6,10 +6,15 @@ Values come from the pure functions in `loss.py`, are reduced across processes, 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
 from .loss import opd_metric_sums, opd_metrics_from_sums
+from .teachers.base import TeacherScores
+
+# What the generation step keeps for metrics logged from the loss forward (`_defer_sampled_metrics`)
+_DEFERRED = {"teacher_per_token_logps": "logps", "teacher_is_top1": "is_top1", "teacher_entropy": "entropy"}
 
 
 class OPDMetricsMixin:
@@ -20,7 +25,40 @@ class OPDMetricsMixin:
         self._window_tokens = 0
         self._window_start: float | None = None
 
-    def _log_opd_metrics(self, mode, scores, old_per_token_logps, advantages, mask, completion_mask) -> None:
+    def _defer_sampled_metrics(self, output, scores: TeacherScores) -> None:
+        """Keep the teacher's per-token scores in the batch, for `_sampled_metrics_from_loss_forward`."""
+        for key, field in _DEFERRED.items():
+            if getattr(scores, field) is not None:
+                output[key] = getattr(scores, field)
+
+    @contextmanager
+    def _sampled_metrics_from_loss_forward(self, inputs):
+        """If the generation step deferred them, log the `opd/*` metrics of this micro-batch from the loss forward's
+        log-probs, which on-policy are the old log-probs (GRPO's loss uses them detached as such)."""
+        if "teacher_per_token_logps" not in inputs:
+            yield
+            return
+        compute = self._get_per_token_logps_and_entropies
+
+        def observed(*args, **kwargs):
+            result = compute(*args, **kwargs)
+            old = result[0].detach()
+            mode, mask = "train" if self.model.training else "eval", inputs["action_mask"]
+            scores = TeacherScores(**{field: inputs.get(key) for key, field in _DEFERRED.items()})
+            self._check_finite(scores.logps, old, mask)
+            self._log_opd_metrics(mode, scores, old, inputs["advantages"], mask, inputs["completion_mask"],
+                                  completions_table=False)
+            return result
+
+        self._get_per_token_logps_and_entropies = observed
+        try:
+            yield
+        finally:
+            del self._get_per_token_logps_and_entropies
+
+    def _log_opd_metrics(
+        self, mode, scores, old_per_token_logps, advantages, mask, completion_mask, *, completions_table=True
+    ) -> None:
         sums = opd_metric_sums(
             teacher_per_token_logps=scores.logps,
             old_per_token_logps=old_per_token_logps,
@@ -42,7 +80,7 @@ class OPDMetricsMixin:
             self._completion_tokens_total += num_tokens
             self._window_tokens += num_tokens
 
-        if not self.reward_funcs:
+        if completions_table and not self.reward_funcs:
             # GRPO filled the completions table with this batch's (zero) reward advantages: show the teacher's
             sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
             gathered = self.accelerator.gather(sequence_advantage).tolist()

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
 from transformers import AutoTokenizer, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
@@ -22,7 +21,8 @@ from trl.trainer.utils import get_config_model_id, pad, use_adapter
 from .checkpoints import resolve_resume
 from .checks import check_opd_inputs
 from .config import OPDConfig
-from .loss import dense_reverse_kl, dense_topk_reverse_kl, opd_advantages
+from .dense import DenseLossMixin
+from .loss import opd_advantages
 from .metrics import OPDMetricsMixin
 from .multiturn import action_mask
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
@@ -42,7 +42,7 @@ def _teacher_only(**kwargs):
     raise AssertionError("OPDTrainer removes this placeholder reward function before training.")
 
 
-class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
+class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
 
     Args:
@@ -214,12 +214,20 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
 
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         mask = self._action_mask(inputs, output)  # (B, T)
+        scores = self._score_with_teacher(inputs, output)
+        if output.get("old_per_token_logps") is None and self.args.opd_coef == 0.0 and not self.reward_funcs:
+            # A dense term alone: the advantage is 0 whatever the old log-probs, and on-policy they are the loss
+            # forward's own, so the metrics that need them are logged from that forward (no extra student forward)
+            self._check_finite(scores.logps, None, mask)
+            output["advantages"] = torch.zeros_like(scores.logps)
+            self._defer_sampled_metrics(output, scores)
+            self._keep_dense_inputs(output, scores)
+            return output
         if output.get("old_per_token_logps") is None:
             output["old_per_token_logps"] = self._student_logps(
                 output["prompt_ids"], output["prompt_mask"], completion_ids, completion_mask
             )
         old_per_token_logps = output["old_per_token_logps"]  # (B, T)
-        scores = self._score_with_teacher(inputs, output)
         self._check_finite(scores.logps, old_per_token_logps, mask)
 
         teacher_advantages = opd_advantages(
@@ -232,11 +240,7 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
             output["advantages"] = reward_advantages + self.args.opd_loss_coef * teacher_advantages
         else:
             output["teacher_advantages"] = teacher_advantages
-        if scores.hidden is not None:
-            output["teacher_hidden_states"] = scores.hidden  # (B, T, H_teacher), for the full estimator's term
-        if scores.topk_ids is not None:
-            output["teacher_topk_ids"] = scores.topk_ids  # (B, T, k), for the topk estimator's term
-            output["teacher_topk_logps"] = scores.topk_logps  # (B, T, k)
+        self._keep_dense_inputs(output, scores)
         self._log_opd_metrics(mode, scores, old_per_token_logps, teacher_advantages, mask, completion_mask)
         return output
 
@@ -278,9 +282,8 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
     def _check_finite(self, teacher_logps, old_logps, mask) -> None:
         """Fail, on every rank at once, if any scored token has a NaN/inf log-prob: never train on it silently."""
         mask = mask.bool()
-        counts = torch.stack(
-            [(~torch.isfinite(teacher_logps) & mask).sum(), (~torch.isfinite(old_logps) & mask).sum(), mask.sum()]
-        )
+        bad_old = mask.new_zeros(()) if old_logps is None else (~torch.isfinite(old_logps) & mask).sum()
+        counts = torch.stack([(~torch.isfinite(teacher_logps) & mask).sum(), bad_old, mask.sum()])
         bad_teacher, bad_student, total = self.accelerator.reduce(counts, reduction="sum").tolist()
         if bad_teacher or bad_student:
             raise FloatingPointError(
@@ -292,47 +295,8 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
     # ------------------------------------------------------------------ loss
 
     def _compute_loss(self, model, inputs):
-        if "teacher_hidden_states" not in inputs and "teacher_topk_ids" not in inputs:
-            return self._policy_loss(model, inputs)
-        student = self._student_causal_lm()
-        hidden = []
-        hook = student.base_model.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state))
-        try:
-            loss = self._policy_loss(model, inputs)
-        finally:
-            hook.remove()
-        return loss + self.args.opd_dense_coef * self._dense_loss(inputs, hidden[0], student)
-
-    def _student_causal_lm(self):
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-
-    def _dense_loss(self, inputs, student_hidden, student) -> torch.Tensor:
-        """The reverse KL over the vocabulary ('full': exact; 'topk': the teacher's top-k plus a tail bucket) at
-        every completion position, normalised like GRPO's 'dapo' loss (by the generation batch's token count), so it
-        adds to the policy term on the same scale."""
-        mode = "train" if self.model.training else "eval"
-        num_completion = inputs["completion_ids"].size(1)
-        mask = _loss_mask(inputs)
-        student_hidden, student_head = student_hidden[:, -num_completion - 1 : -1], student.get_output_embeddings()
-        if "teacher_topk_ids" in inputs:
-            name = "opd/reverse_kl_topk"
-            per_token = dense_topk_reverse_kl(
-                student_hidden, student_head.weight, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask,
-                student_head_bias=student_head.bias,
-            )  # (B, T)
-        else:
-            name, teacher_head = "opd/reverse_kl_dense", self.teacher.causal_lm.get_output_embeddings()
-            per_token = dense_reverse_kl(
-                student_hidden, student_head.weight, inputs["teacher_hidden_states"], teacher_head.weight, mask,
-                student_head_bias=student_head.bias, teacher_head_bias=teacher_head.bias,
-            )  # (B, T)
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-        if mode == "train":
-            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        totals = self.accelerator.reduce(torch.stack([per_token.detach().sum(), mask.sum().float()]), "sum")
-        self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
-        return per_token.sum() / normalizer
+        with self._sampled_metrics_from_loss_forward(inputs):
+            return self._dense_and_policy_loss(model, inputs)
 
     def _policy_loss(self, model, inputs):
         if "teacher_advantages" not in inputs:  # teacher only, or advantages already summed
@@ -381,11 +345,6 @@ class OPDTrainer(OPDMetricsMixin, GRPOTrainer):
                 del self._metrics[mode][name][lengths.get(name, 0):]
                 if name.startswith("clip_ratio/"):
                     self._metrics[mode][f"opd/{name}"].extend(added)
-
-
-def _loss_mask(batch) -> torch.Tensor:
-    """Completion tokens the student sampled (see `OPDTrainer._action_mask`)."""
-    return batch["action_mask"]
 
 
 def _with_system_message(prompt, system: str):
