@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 
+import torch
 from transformers import AutoTokenizer
 
 # Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
@@ -29,6 +30,10 @@ def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.model.train()
     output = trainer._generate_and_score_completions(batch)
+    if "teacher_per_token_logps" in output:  # a dense term alone logs its metrics from the loss forward
+        trainer.current_gradient_accumulation_steps = training_args.gradient_accumulation_steps  # as the loop sets it
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, output)
     metrics = trainer._metrics["train"]
     opd = {name: sum(values) / len(values) for name, values in metrics.items() if name.startswith("opd/")}
     return opd, trainer, output
