@@ -130,18 +130,21 @@ def test_an_action_mask_of_the_wrong_length_is_refused(tiny, prompts, make_confi
         trainer._generate_and_score_completions([dict(prompts[i]) for i in range(4)])
 
 
-def test_tool_environment_rollouts_distil_only_what_the_student_sampled(tiny_agent, make_config):
+@pytest.mark.parametrize("path", ["environment_factory", "tools"])
+def test_tool_rollouts_distil_only_what_the_student_sampled(tiny_agent, make_config, path):
     from datasets import load_dataset
 
-    from trl_opd.envs import ArithmeticToolEnv
+    from trl_opd.envs import ARITHMETIC_TOOLS, ArithmeticToolEnv
     from trl_opd.multiturn import render_action_mask
 
     prompts = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train")
+    multi_turn = {"environment_factory": ArithmeticToolEnv} if path == "environment_factory" else {
+        "tools": ARITHMETIC_TOOLS}
     trainer = OPDTrainer(
         model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"), train_dataset=prompts,
-        environment_factory=ArithmeticToolEnv,
         args=make_config(max_steps=2, per_device_train_batch_size=8, max_completion_length=128,
                          max_tool_calling_iterations=3, opd_estimator=None),  # the default: full, one local teacher
+        **multi_turn,
     )
     torch.manual_seed(0)
     batch = trainer._generate_and_score_completions([dict(prompts[i]) for i in range(8)])
@@ -159,6 +162,8 @@ def test_tool_environment_rollouts_distil_only_what_the_student_sampled(tiny_age
         starts = [t for t in range(1, len(mask)) if mask[t - 1] == 1 and mask[t] == 0]
         assert all(ids[t - 1] == eos for t in starts)
     assert observations > 0, "no rollout called a tool"
+    if path == "tools":
+        return  # the same tool loop as the environment's; training is checked once
 
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()

@@ -6,7 +6,7 @@ import sys
 
 def test_import_is_light_and_pulls_no_optional_heavy_dependency():
     code = (
-        "import sys, trl_opd; "
+        "import sys, trl_opd, trl_opd.envs; "
         "print(sorted(m for m in ('vllm', 'deepspeed', 'wandb', 'trl', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

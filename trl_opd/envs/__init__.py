@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .arithmetic import (
+    ARITHMETIC_TOOLS,
     ArithmeticToolEnv,
     arithmetic_tool_dataset,
     arithmetic_tool_rows,
@@ -21,6 +22,7 @@ from .arithmetic import (
 )
 
 __all__ = [
+    "ARITHMETIC_TOOLS",
     "ArithmeticToolEnv",
     "arithmetic_tool_dataset",
     "arithmetic_tool_rows",

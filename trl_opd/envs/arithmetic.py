@@ -42,7 +42,7 @@ class ArithmeticToolEnv:
             a: The first integer.
             b: The second integer.
         """
-        return self._serve("add", a, b, int(a) + int(b))
+        return self._serve("add", a, b, add(a, b))
 
     def multiply(self, a: int, b: int) -> int:
         """Multiply two integers.
@@ -51,11 +51,35 @@ class ArithmeticToolEnv:
             a: The first integer.
             b: The second integer.
         """
-        return self._serve("multiply", a, b, int(a) * int(b))
+        return self._serve("multiply", a, b, multiply(a, b))
 
     def _serve(self, name: str, a: int, b: int, result: int) -> int:
         self.calls.append((name, int(a), int(b), result))
         return result
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return int(a) + int(b)
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return int(a) * int(b)
+
+
+# The same tools as plain functions, for GRPO's `tools=` path (no per-rollout state)
+ARITHMETIC_TOOLS = [add, multiply]
 
 
 def arithmetic_tool_rows(n: int, seed: int, *, low: int = 1, high: int = 12) -> list[dict]:
