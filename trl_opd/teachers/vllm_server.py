@@ -136,7 +136,15 @@ class VLLMServerTeacher:
                         f"The teacher served at {url} ({model}) does not read the student's special token {token!r} "
                         f"as id {tokenizer.convert_tokens_to_ids(token)} (it reads {ids})."
                     )
-            (entries,) = self._score_chunk(url, [expected], first_index=0)
+            try:
+                (entries,) = self._score_chunk(url, [expected], first_index=0)
+            except TeacherServerError as error:
+                if self.topk and "HTTP 400" in str(error):
+                    raise TeacherServerError(
+                        f"{error}\nThe topk estimator asks for the {self.topk} most likely tokens per position: start "
+                        f"the server with --max-logprobs {self.topk} or more, or lower opd_topk."
+                    ) from error
+                raise
             _read_entries(entries, expected[:1], expected[1:], index=0, url=url, topk=self.topk)
 
     # ------------------------------------------------------------------ scoring
