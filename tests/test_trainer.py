@@ -180,3 +180,26 @@ def test_checkpoints_hold_the_student_and_its_state_but_never_the_teacher(tiny, 
         shapes = {name: tuple(saved.get_slice(name).get_shape()) for name in saved.keys()}
     assert shapes == {name: tuple(p.shape) for name, p in trainer.model.state_dict().items()}
     assert not any(96 in shape for shape in shapes.values())  # the teacher's hidden size is 96, the student's 64
+
+
+def test_accuracy_is_logged_in_training_and_evaluation_and_never_trained_on(tiny, prompts, make_config):
+    returned = {"train": [], "eval": []}
+
+    def parity(completions, answer, **kwargs):  # a checker whose values the test can see: 1 for even-length answers
+        values = [float(len(completion[-1]["content"]) % 2 == 0) for completion in completions]
+        returned["train" if trainer.model.training else "eval"].append(sum(values) / len(values))
+        return values
+
+    trainer = OPDTrainer(
+        model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+        eval_dataset=prompts.select(range(8)), accuracy_func=parity,
+        args=make_config(max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4),
+    )
+    assert trainer.reward_funcs == []  # a metric, not a reward
+    trainer.train()
+    train_logs = [entry for entry in trainer.state.log_history if "accuracy" in entry]
+    eval_logs = [entry for entry in trainer.state.log_history if "eval_accuracy" in entry]
+    assert [entry["accuracy"] for entry in train_logs] == pytest.approx(returned["train"])
+    assert eval_logs[0]["eval_accuracy"] == pytest.approx(sum(returned["eval"]) / len(returned["eval"]))
+    assert math.isfinite(eval_logs[0]["eval_opd/reverse_kl"])
+    assert all("reward" not in name for entry in train_logs for name in entry)  # no reward metrics: nothing trained

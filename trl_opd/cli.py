@@ -52,6 +52,13 @@ class OPDScriptArguments(ScriptArguments):
             "from trl.rewards (e.g. accuracy_reward) or a dotted import path (my_module.my_reward)."
         },
     )
+    accuracy_func: str | None = field(
+        default=None,
+        metadata={
+            "help": "A reward function (trl.rewards name or import path) logged as `accuracy`, never trained on, "
+            "e.g. trl_opd.envs.tool_answer_reward."
+        },
+    )
     environment_factory: str | None = field(
         default=None,
         metadata={
@@ -164,6 +171,7 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
         reward_funcs=load_reward_funcs(script_args.reward_funcs),
         peft_config=get_peft_config(model_args),
         environment_factory=environment and import_object(environment, "environment_factory"),
+        accuracy_func=load_reward_funcs([script_args.accuracy_func])[0] if script_args.accuracy_func else None,
         tools=[import_object(name, "tool") for name in script_args.tools] if script_args.tools else None,
     )
 

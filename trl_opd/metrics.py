@@ -88,6 +88,20 @@ class OPDMetricsMixin:
                 self._logs["advantages"].pop()
             self._logs["advantages"].extend(gathered)
 
+    def _log_accuracy(self, inputs, prompts, completions, completion_ids_list) -> None:
+        """`accuracy`: the mean of `accuracy_func` (a GRPO reward function: 1 correct, 0 wrong, None to skip) over the
+        batch's completions on all processes. A metric only, never trained on; `eval_accuracy` in evaluation. GRPO's
+        own reward call computes it, so the function gets every dataset column (and `environments`) as kwargs."""
+        saved = self.reward_funcs, self.reward_func_names, self.reward_processing_classes
+        self.reward_funcs, self.reward_func_names = [self.accuracy_func], ["accuracy"]
+        self.reward_processing_classes = [None]
+        try:
+            correct = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)[:, 0]
+        finally:
+            self.reward_funcs, self.reward_func_names, self.reward_processing_classes = saved
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["accuracy"].append(torch.nanmean(correct).item())
+
     def training_step(self, model, inputs, num_items_in_batch):
         if self._window_start is None:
             self._window_start = time.perf_counter()

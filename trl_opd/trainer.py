@@ -54,6 +54,8 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         processing_class: the student's tokenizer; loaded from the student's path when omitted.
         reward_funcs: optional GRPO reward functions, mixed with the teacher signal (see `opd_reward_combination`).
         peft_config: a PEFT config to train an adapter instead of the full student.
+        accuracy_func: a GRPO-style reward function scoring each completion 1 (correct) or 0, logged as `accuracy`
+            (and `eval_accuracy` in evaluation) and never trained on.
         tools / environment_factory / rollout_func: GRPO's multi-turn paths, unchanged. Only the tokens the student
             sampled are distilled: GRPO's tool mask, or an `action_mask` a rollout function returns per row (see
             `_action_mask`). An environment's `get_reward` joins the reward functions, as in GRPO.
@@ -80,6 +82,7 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         tools=None,
         environment_factory=None,
         rollout_func=None,
+        accuracy_func=None,
     ):
         student_name = model if isinstance(model, str) else get_config_model_id(model.config)
         if args is None:
@@ -134,6 +137,7 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
             # clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly
             self.epsilon_low, self.epsilon_high = 1.0, float("inf")
 
+        self.accuracy_func = accuracy_func
         self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()
 
@@ -200,6 +204,8 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
     # ------------------------------------------------------------------ scoring
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        if self.accuracy_func is not None:
+            self._log_accuracy(inputs, prompts, completions, completion_ids_list)
         if self.reward_funcs:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         # GRPO gathers rewards across processes: an empty (global batch, 0) tensor yields zero reward advantages
