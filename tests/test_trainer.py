@@ -203,3 +203,26 @@ def test_accuracy_is_logged_in_training_and_evaluation_and_never_trained_on(tiny
     assert eval_logs[0]["eval_accuracy"] == pytest.approx(sum(returned["eval"]) / len(returned["eval"]))
     assert math.isfinite(eval_logs[0]["eval_opd/reverse_kl"])
     assert all("reward" not in name for entry in train_logs for name in entry)  # no reward metrics: nothing trained
+
+
+def test_wrapped_logps_calls_nest_and_restore_the_original():
+    from trl_opd.metrics import wrapped_logps_call
+
+    class Trainer:
+        def _get_per_token_logps_and_entropies(self, x):
+            return x
+
+    trainer, calls = Trainer(), []
+
+    def record(tag):
+        def wrap(compute):
+            return lambda x: calls.append(tag) or compute(x)
+
+        return wrap
+
+    with wrapped_logps_call(trainer, record("outer")):
+        with wrapped_logps_call(trainer, record("inner")):
+            assert trainer._get_per_token_logps_and_entropies(3) == 3
+        assert trainer._get_per_token_logps_and_entropies(4) == 4  # the inner block left the outer wrapper in place
+    assert calls == ["inner", "outer", "outer"]
+    assert "_get_per_token_logps_and_entropies" not in vars(trainer)  # the class's method again

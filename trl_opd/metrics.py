@@ -13,6 +13,23 @@ import torch
 from .loss import opd_metric_sums, opd_metrics_from_sums
 from .teachers.base import TeacherScores
 
+
+@contextmanager
+def wrapped_logps_call(trainer, wrap):
+    """Within the block, the trainer's student log-prob call (GRPO's `_get_per_token_logps_and_entropies`) is
+    `wrap(original)`. Blocks nest: each restores what it found."""
+    name = "_get_per_token_logps_and_entropies"
+    found = trainer.__dict__.get(name)
+    setattr(trainer, name, wrap(getattr(trainer, name)))
+    try:
+        yield
+    finally:
+        if found is None:
+            delattr(trainer, name)
+        else:
+            setattr(trainer, name, found)
+
+
 # What the generation step keeps for metrics logged from the loss forward (`_defer_sampled_metrics`)
 _DEFERRED = {"teacher_per_token_logps": "logps", "teacher_is_top1": "is_top1", "teacher_entropy": "entropy"}
 
@@ -38,23 +55,25 @@ class OPDMetricsMixin:
         if "teacher_per_token_logps" not in inputs:
             yield
             return
-        compute = self._get_per_token_logps_and_entropies
 
-        def observed(*args, **kwargs):
-            result = compute(*args, **kwargs)
-            old = result[0].detach()
-            mode, mask = "train" if self.model.training else "eval", inputs["action_mask"]
-            scores = TeacherScores(**{field: inputs.get(key) for key, field in _DEFERRED.items()})
-            self._check_finite(scores.logps, old, mask)
-            self._log_opd_metrics(mode, scores, old, inputs["advantages"], mask, inputs["completion_mask"],
-                                  completions_table=False)
-            return result
+        def observe(compute):
+            def observed(*args, **kwargs):
+                result = compute(*args, **kwargs)
+                self._log_deferred_metrics(inputs, result[0].detach())
+                return result
 
-        self._get_per_token_logps_and_entropies = observed
-        try:
+            return observed
+
+        with wrapped_logps_call(self, observe):
             yield
-        finally:
-            del self._get_per_token_logps_and_entropies
+
+    def _log_deferred_metrics(self, inputs, old) -> None:
+        """The `opd/*` metrics of one micro-batch, with `old` the loss forward's detached log-probs."""
+        mode, mask = "train" if self.model.training else "eval", inputs["action_mask"]
+        scores = TeacherScores(**{field: inputs.get(key) for key, field in _DEFERRED.items()})
+        self._check_finite(scores.logps, old, mask)
+        self._log_opd_metrics(mode, scores, old, inputs["advantages"], mask, inputs["completion_mask"],
+                              completions_table=False)
 
     def _log_opd_metrics(
         self, mode, scores, old_per_token_logps, advantages, mask, completion_mask, *, completions_table=True

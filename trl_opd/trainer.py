@@ -23,7 +23,7 @@ from .checks import check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
 from .loss import opd_advantages
-from .metrics import OPDMetricsMixin
+from .metrics import OPDMetricsMixin, wrapped_logps_call
 from .multiturn import action_mask
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.loading import load_teachers
@@ -322,18 +322,17 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
     def _one_student_forward(self):
         """Within the block, the student's log-probs are computed once and reused: two objectives, one forward."""
         cache = {}
-        compute = self._get_per_token_logps_and_entropies
 
-        def once(*args, **kwargs):
-            if "result" not in cache:
-                cache["result"] = compute(*args, **kwargs)
-            return cache["result"]
+        def once(compute):
+            def cached(*args, **kwargs):
+                if "result" not in cache:
+                    cache["result"] = compute(*args, **kwargs)
+                return cache["result"]
 
-        self._get_per_token_logps_and_entropies = once
-        try:
+            return cached
+
+        with wrapped_logps_call(self, once):
             yield
-        finally:
-            del self._get_per_token_logps_and_entropies
 
     @contextmanager
     def _policy_term_only(self, mode: str):
