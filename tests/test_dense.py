@@ -262,6 +262,8 @@ def test_a_dense_term_alone_needs_no_extra_student_forward_and_logs_the_same_met
     )
     with_forward.train()
     a, b = dense_only.state.log_history[0], with_forward.state.log_history[0]
+    # ... and the lean forward (no policy term: hidden states only, see dense.py) gives GRPO's gradient and entropy
     for name in ("opd/reverse_kl", "opd/teacher_logp", "opd/student_logp", "opd/teacher_agreement",
-                 "opd/teacher_entropy", "opd/action_token_fraction", "opd/reverse_kl_dense", "loss"):
+                 "opd/teacher_entropy", "opd/action_token_fraction", "opd/reverse_kl_dense", "loss", "grad_norm",
+                 "entropy"):
         assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), name

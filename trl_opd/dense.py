@@ -2,6 +2,11 @@
 
 The student's final hidden states are taken from its one loss forward (a hook on the backbone); the teacher's side
 was kept from its single scoring pass (hidden states for 'full', top-k ids and log-probs for 'topk').
+
+With a dense term alone (`opd_coef` 0, no reward functions, no KL or entropy term), GRPO's policy loss is exactly 0:
+its vocabulary projection, log-softmax and backward would be spent on nothing. Then the student's forward stops at
+the hidden states, the dense term is the whole loss, and the metrics that GRPO's forward would have given (the
+sampled tokens' log-probs, the entropy) come from one no-grad projection in tiles.
 """
 
 from __future__ import annotations
@@ -9,8 +14,12 @@ from __future__ import annotations
 import torch
 from accelerate.utils import is_peft_model
 
-from .loss import dense_reverse_kl, dense_topk_reverse_kl
+from .loss import dense_reverse_kl, dense_topk_reverse_kl, head_token_logps_and_entropy
 from .teachers.base import TeacherScores
+
+# inputs that GRPO's loss forward passes to a vision-language student: the lean path leaves those to GRPO
+_MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+                      "mm_token_type_ids")
 
 
 class DenseLossMixin:
@@ -30,11 +39,41 @@ class DenseLossMixin:
         student = self._student_causal_lm()
         hidden = []
         hook = student.base_model.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state))
+        lean = self._policy_loss_is_zero(inputs)
         try:
-            loss = self._policy_loss(model, inputs)
+            if lean:
+                input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+                attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+                model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+            else:
+                loss = self._policy_loss(model, inputs)
         finally:
             hook.remove()
-        return loss + self.args.opd_dense_coef * self._dense_loss(inputs, hidden[0], student)
+        dense = self.args.opd_dense_coef * self._dense_loss(inputs, hidden[0], student)
+        if lean:
+            self._log_lean_forward_metrics(inputs, hidden[0], student)
+            return dense
+        return loss + dense
+
+    def _policy_loss_is_zero(self, inputs) -> bool:
+        """Zero advantages (a dense term alone, see `_defer_sampled_metrics`) and no other term in GRPO's loss."""
+        return ("teacher_per_token_logps" in inputs and self.beta == 0.0 and not self._entropy_bonus_enabled
+                and not self.aux_loss_enabled and not any(key in inputs for key in _MULTIMODAL_INPUTS))
+
+    def _log_lean_forward_metrics(self, inputs, student_hidden, student) -> None:
+        """What GRPO's loss forward would have logged: the deferred `opd/*` metrics (from the sampled tokens'
+        log-probs, which on-policy are the old ones) and the student's `entropy`, over the distilled tokens."""
+        completion_ids, mask = inputs["completion_ids"], inputs["action_mask"]
+        hidden = student_hidden[:, -completion_ids.size(1) - 1 : -1].detach()
+        head = student.get_output_embeddings()
+        logps, entropy = head_token_logps_and_entropy(
+            hidden.reshape(-1, hidden.size(-1)), head.weight, completion_ids.reshape(-1), head_bias=head.bias,
+            temperature=self.temperature,
+        )
+        self._log_deferred_metrics(inputs, logps.view_as(completion_ids))
+        mode = "train" if self.model.training else "eval"
+        mean_entropy = (entropy.view_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
+        self._metrics[mode]["entropy"].append(self.accelerator.gather(mean_entropy).nanmean().item())
 
     def _student_causal_lm(self):
         unwrapped = self.accelerator.unwrap_model(self.model)

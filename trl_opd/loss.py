@@ -156,6 +156,30 @@ def head_token_logps(
     return _TokenLogProbs.apply(hidden, head_weight, head_bias, ids, _tile_rows(head_weight, tile_elements))
 
 
+@torch.no_grad()
+def head_token_logps_and_entropy(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    tile_elements: int = TILE_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of token `ids` (N,) and the entropy of the next-token distribution (N,) at each position, from final
+    hidden states (N, H) and an LM head (V, H), logits divided by `temperature`; no grad, in tiles of positions."""
+    logps = hidden.new_empty(ids.shape, dtype=torch.float32)
+    entropy = hidden.new_empty(ids.shape, dtype=torch.float32)
+    rows = _tile_rows(head_weight, tile_elements)
+    for start in range(0, hidden.size(0), rows):
+        tile = slice(start, start + rows)
+        tile_logps = (torch.nn.functional.linear(hidden[tile], head_weight, head_bias).float() / temperature)
+        tile_logps = tile_logps.log_softmax(-1)
+        logps[tile] = tile_logps.gather(-1, ids[tile, None])[:, 0]
+        entropy[tile] = -(tile_logps.exp() * tile_logps).sum(-1)
+    return logps, entropy
+
+
 def _tile_rows(head_weight: torch.Tensor, tile_elements: int) -> int:
     return max(1, tile_elements // head_weight.size(0))
 
