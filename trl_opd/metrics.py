@@ -103,7 +103,8 @@ class OPDMetricsMixin:
             # GRPO filled the completions table with this batch's (zero) reward advantages: show the teacher's
             sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
             gathered = self.accelerator.gather(sequence_advantage).tolist()
-            for _ in gathered:
+            # GRPO's table is a bounded deque: a batch larger than its bound (an eval batch) left only its tail there
+            for _ in range(min(len(gathered), len(self._logs["advantages"]))):
                 self._logs["advantages"].pop()
             self._logs["advantages"].extend(gathered)
 
