@@ -1,5 +1,6 @@
 # The two commands of the README's quick start. Each sets up its own virtualenv on first use.
-#   make demo   # build the tiny local models, then run the CPU smoke recipe end to end (adapter in outputs/smoke)
+#   make demo   # build (or reuse) the offline addition task's tiny teacher and student, then distil with OPD on CPU,
+#               # printing held-out accuracy and reverse KL before and after (model in outputs/addition)
 #   make test   # the test suite, in one pytest process (it starts and stops a real vLLM CPU teacher server)
 
 VENV ?= .venv
@@ -30,8 +31,8 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/trl-opd make-tiny artifacts/tiny
-	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/smoke_cpu.yaml
+	$(VENV)/bin/trl-opd make-tiny-task artifacts/tiny_task
+	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/addition_cpu.yaml
 
 test: $(VENV)/.installed $(VLLM_VENV)/.installed
 	OPD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest

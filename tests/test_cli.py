@@ -40,9 +40,13 @@ def test_smoke_recipe_trains_and_saves_a_reloadable_adapter(tiny, tmp_path):
     assert not torch.allclose(reloaded_logits, base_logits)  # the adapter learned something
 
 
-def test_missing_local_model_says_how_to_build_it(tmp_path):
-    argv = ["--config", SMOKE, "--model_name_or_path", "artifacts/nowhere/student", "--output_dir", str(tmp_path)]
-    with pytest.raises(FileNotFoundError, match="trl-opd make-tiny"):
+@pytest.mark.parametrize("path, builder", [
+    ("artifacts/nowhere/student", "trl-opd make-tiny artifacts/tiny`"),
+    ("artifacts/tiny_task/nowhere", "trl-opd make-tiny-task artifacts/tiny_task`"),
+])
+def test_missing_local_model_says_how_to_build_it(tmp_path, path, builder):
+    argv = ["--config", SMOKE, "--model_name_or_path", path, "--output_dir", str(tmp_path)]
+    with pytest.raises(FileNotFoundError, match=builder):
         cli.main(argv)
 
 

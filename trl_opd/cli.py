@@ -66,6 +66,13 @@ class OPDScriptArguments(ScriptArguments):
             "e.g. trl_opd.envs.ArithmeticToolEnv. Only the tokens the student samples are distilled."
         },
     )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "A separate dataset (file, saved directory or Hub id) to evaluate on, its `dataset_test_split` "
+            "split; default: dataset_name's test split. Evaluation runs with eval_strategy, e.g. 'steps'."
+        },
+    )
     tools: list[str] | None = field(
         default=None,
         metadata={"help": "Dotted import paths of tool functions the student may call (GRPO's tools)."},
@@ -76,20 +83,26 @@ def make_parser() -> TrlParser:
     return TrlParser((OPDScriptArguments, OPDConfig, ModelConfig), prog="trl-opd")
 
 
+# where the CPU recipes expect their tiny models, and the command that builds them there
+_BUILDERS = {"artifacts/tiny_task": "make-tiny-task", "artifacts/tiny_agent": "make-tiny-agent"}
+
+
 def _require_local_path(path: str | None, what: str) -> None:
     """A path-looking model name that does not exist is a missing build step, not a Hub id: say so now."""
     if path and (path.startswith((".", "/")) or path.startswith("artifacts/")) and not Path(path).exists():
+        builder = next((f"trl-opd {command} {directory}" for directory, command in _BUILDERS.items()
+                        if directory in path), "trl-opd make-tiny artifacts/tiny")
         raise FileNotFoundError(
-            f"{what} {path!r} does not exist. For the CPU smoke recipe, build the tiny models first: "
-            "`trl-opd make-tiny artifacts/tiny`."
+            f"{what} {path!r} does not exist. For the CPU recipes, build the tiny models first: `{builder}`."
         )
 
 
-def load_prompts(script_args: OPDScriptArguments, split: str):
-    """Load one split and bring it to the trainer's format: a 'prompt' column of text or chat messages."""
+def load_prompts(script_args: OPDScriptArguments, split: str, name: str | None = None):
+    """Load one split of `name` (default: the recipe's dataset_name) and bring it to the trainer's format: a
+    'prompt' column of text or chat messages."""
     from datasets import load_dataset, load_from_disk
 
-    name = script_args.dataset_name
+    name = name or script_args.dataset_name
     if name is None:
         raise ValueError("The recipe sets no dataset_name (a Hub dataset id, a saved dataset directory or a file).")
     suffix = Path(name).suffix
@@ -160,9 +173,9 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
     environment = script_args.environment_factory
     if train_dataset is None:
         train_dataset = load_prompts(script_args, script_args.dataset_train_split)
-    eval_dataset = (
-        load_prompts(script_args, script_args.dataset_test_split) if training_args.eval_strategy != "no" else None
-    )
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        eval_dataset = load_prompts(script_args, script_args.dataset_test_split, script_args.eval_dataset_name)
     return OPDTrainer(
         model=model_args.model_name_or_path,
         args=training_args,
@@ -188,6 +201,8 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
     push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
     trainer = build_trainer(script_args, training_args, model_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if trainer.eval_dataset is not None:
+        print_eval_summary(trainer)
     output_dir = training_args.output_dir
     trainer.save_model(output_dir)
     if trainer.accelerator.is_main_process:
@@ -201,6 +216,25 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
     return trainer
 
 
+EVAL_SUMMARY_METRICS = {"eval_accuracy": "accuracy", "eval_opd/reverse_kl": "reverse KL (sampled tokens)",
+                        "eval_opd/reverse_kl_dense": "reverse KL (exact, full vocabulary)",
+                        "eval_opd/reverse_kl_topk": "reverse KL (top-k)"}
+
+
+def print_eval_summary(trainer) -> None:
+    """Held-out metrics at the first and the last evaluation, evaluating once more if the last step had none."""
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    if not evals or evals[-1]["step"] != trainer.state.global_step:
+        trainer.evaluate()
+        evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    first, last = evals[0], evals[-1]
+    lines = [f"Held-out evaluation, step {first['step']} -> step {last['step']}:"]
+    for key, name in EVAL_SUMMARY_METRICS.items():
+        if key in first and key in last:
+            lines.append(f"  {name:<38} {first[key]:8.4f} -> {last[key]:8.4f}")
+    trainer.accelerator.print("\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["make-tiny"]:
@@ -211,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
         from .envs.tiny_agent import main as make_tiny_agent_main
 
         return make_tiny_agent_main(argv[1:])
+    if argv[:1] == ["make-tiny-task"]:
+        from .envs.addition import main as make_tiny_task_main
+
+        return make_tiny_task_main(argv[1:])
     if argv[:1] == ["serve-teacher"]:
         from .serve import main as serve_main
 

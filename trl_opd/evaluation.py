@@ -4,9 +4,13 @@ The student samples completions for fixed prompts (seeded), then both models sco
 `reverse_kl`, the same single-sample estimate the trainer logs as `opd/reverse_kl` (mean over sampled tokens of
 log pi_S - log pi_T), and `reverse_kl_exact`, the full-vocabulary KL(pi_S || pi_T) averaged over the visited states.
 The exact one builds (rows, tokens, vocab) logits one row at a time: meant for small models and evaluation sets.
+Given `solutions` and an `accuracy_func` (a GRPO reward function such as `trl.rewards.accuracy_reward`), `accuracy`
+scores the same samples.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from transformers import TrainerCallback
@@ -18,12 +22,16 @@ def _render(tokenizer, prompt) -> str:
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
+_NOT_LOGGED = ("tokens", "train_seconds")
+
+
 @torch.no_grad()
 def heldout_reverse_kl(
     student, teacher, tokenizer, prompts: list, *, max_new_tokens: int = 32, samples_per_prompt: int = 1,
-    seed: int = 0, temperature: float = 1.0,
+    seed: int = 0, temperature: float = 1.0, solutions: list[str] | None = None, accuracy_func=None,
 ) -> dict[str, float]:
-    """Sample from `student` on `prompts` (text or chat messages) and measure KL(student || teacher) on the samples."""
+    """Sample from `student` on `prompts` (text or chat messages) and measure KL(student || teacher) on the samples,
+    and with `solutions` and `accuracy_func` the fraction of samples it scores right."""
     was_training = student.training
     student.eval()
     device = next(student.parameters()).device
@@ -58,31 +66,48 @@ def heldout_reverse_kl(
         count += positions.sum().item()
     student.train(was_training)
     count = max(count, 1.0)
-    return {"reverse_kl": sampled_sum / count, "reverse_kl_exact": exact_sum / count, "tokens": count}
+    metrics = {"reverse_kl": sampled_sum / count, "reverse_kl_exact": exact_sum / count, "tokens": count}
+    if accuracy_func is not None:
+        texts = tokenizer.batch_decode(completion.masked_fill(~completion_mask, tokenizer.pad_token_id),
+                                       skip_special_tokens=True)
+        chat = not isinstance(prompts[0], str)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        references = [s for s in solutions for _ in range(samples_per_prompt)]
+        scores = accuracy_func(completions=completions, solution=references, prompts=prompts)
+        metrics["accuracy"] = sum(s or 0.0 for s in scores) / len(scores)
+    return metrics
 
 
 class HeldoutReverseKLCallback(TrainerCallback):
-    """Every `eval_every` optimizer steps (and before the first), log `eval/reverse_kl` and `eval/reverse_kl_exact`.
+    """Every `eval_every` optimizer steps (and before the first), `heldout_reverse_kl` of the student being trained,
+    into `state.log_history` as `eval/reverse_kl`, `eval/reverse_kl_exact` (and `eval/accuracy`). Works with any
+    Trainer, so that trainers without an evaluation of their own are measured alike.
 
-    Single-process: the student generates with plain `generate`. `history` keeps (step, metrics) for scripts.
+    Single-process: the student generates with plain `generate`. `history` keeps (step, metrics) for scripts, with
+    `train_seconds`: wall-clock time since training began, less the time spent in this callback.
     """
 
     def __init__(self, teacher, tokenizer, prompts: list, *, eval_every: int, **kwargs):
         self.teacher, self.tokenizer, self.prompts = teacher, tokenizer, prompts
         self.eval_every, self.kwargs = eval_every, kwargs
         self.history: list[tuple[int, dict[str, float]]] = []
+        self._start = self._eval_seconds = 0.0
 
     def _evaluate(self, step: int, model) -> dict[str, float]:
+        begin = time.perf_counter()
         metrics = heldout_reverse_kl(model, self.teacher, self.tokenizer, self.prompts, **self.kwargs)
+        metrics["train_seconds"] = begin - self._start - self._eval_seconds
+        self._eval_seconds += time.perf_counter() - begin
         self.history.append((step, metrics))
         return metrics
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._start, self._eval_seconds = time.perf_counter(), 0.0
         self._evaluate(state.global_step, model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.eval_every == 0:
             metrics = self._evaluate(state.global_step, model)
             state.log_history.append(
-                {"step": state.global_step, **{f"eval/{k}": v for k, v in metrics.items() if k != "tokens"}}
+                {"step": state.global_step, **{f"eval/{k}": v for k, v in metrics.items() if k not in _NOT_LOGGED}}
             )

@@ -1,0 +1,45 @@
+"""The comparison harness measures every method alike: generated tokens counted where generated (never the
+evaluation's own samples), and the same held-out evaluation at the same steps."""
+
+import pytest
+
+from trl_opd.comparison import METHODS, run_method, summarize, task_inputs
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_task):
+    inputs = task_inputs(tiny_task)
+    return {method: run_method(method, **inputs, steps=2, eval_every=1, eval_prompts=8, batch_size=8,
+                               grpo_generations=4) for method in METHODS}
+
+
+def test_every_method_is_evaluated_alike(runs):
+    before = {method: run["history"][0] for method, run in runs.items()}
+    for run in runs.values():
+        assert [entry["step"] for entry in run["history"]] == [0, 1, 2]
+        # the same untrained student, the same held-out samples: identical numbers before training
+        assert run["history"][0]["reverse_kl_exact"] == pytest.approx(before["opd"]["reverse_kl_exact"], rel=1e-6)
+        assert run["history"][0]["accuracy"] == before["opd"]["accuracy"]
+        assert run["history"][0]["generated_tokens"] == 0  # the evaluation's own samples are not counted
+        tokens = [entry["generated_tokens"] for entry in run["history"]]
+        assert 0 < tokens[1] < tokens[2] <= 2 * 8 * 40  # at most steps x completions x max_completion_length
+        assert run["seconds_per_step"] > 0
+
+
+def test_generated_tokens_match_the_trainers_own_count(runs):
+    """OPD logs the completion tokens it trained on; the harness counted them at `generate`: the same number."""
+    logged = [entry for entry in runs["opd"]["log_history"] if "data/completion_tokens_total" in entry]
+    assert logged[-1]["step"] == 2
+    assert runs["opd"]["history"][-1]["generated_tokens"] == logged[-1]["data/completion_tokens_total"]
+
+
+def test_summary_finds_when_a_run_first_reaches_the_target():
+    history = [{"step": s, "generated_tokens": 100 * s, "train_seconds": s / 10, "accuracy": a, "reverse_kl_exact": k}
+               for s, a, k in [(0, 0.1, 2.0), (1, 0.5, 1.0), (2, 0.95, 0.1), (3, 0.9, 0.2)]]
+    runs = [{"method": "a", "seed": 0, "history": history, "seconds_per_step": 0.1},
+            {"method": "a", "seed": 1, "history": history[:2], "seconds_per_step": 0.3}]
+    row = summarize(runs[:1], target=0.9)["a"]
+    assert (row["tokens_to_target"], row["steps_to_target"], row["seconds_to_target"]) == (200, 2, 0.2)
+    assert (row["accuracy_before"], row["accuracy"], row["reverse_kl"]) == (0.1, 0.9, 0.2)
+    both = summarize(runs, target=0.9)["a"]  # one seed never reaches it: no mean over the ones that did
+    assert (both["reached"], both["tokens_to_target"], both["seconds_per_step"]) == (1, None, pytest.approx(0.2))

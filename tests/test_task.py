@@ -1,0 +1,91 @@
+"""The offline addition task: right worked answers, a held-out split no training set touches, a real teacher/student
+gap, and the demo recipe's held-out evaluation during training."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from trl.rewards import accuracy_reward
+
+from trl_opd import cli
+from trl_opd.envs.addition import TASK_SETTINGS, addition_rows, is_heldout
+
+RECIPE = str(Path(__file__).parents[1] / "recipes" / "addition_cpu.yaml")
+
+
+def _pair(row) -> tuple[int, int]:
+    return tuple(int(n) for n in re.findall(r"\d+", row["prompt"][0]["content"]))
+
+
+def test_worked_answers_add_up_and_the_checker_scores_them():
+    rows = addition_rows(300, seed=5) + addition_rows(100, seed=5, heldout=True)
+    for row in rows:
+        a, b = _pair(row)
+        numbers = [int(n) for n in re.findall(r"\d+", row["completion"][0]["content"])]
+        # units: a0 + b0 = u; tens: a1 + b1 + carry = t; then the answer
+        assert numbers[2] == a % 10 + b % 10 and numbers[6] == a // 10 + b // 10 + numbers[2] // 10
+        assert numbers[-1] == a + b == int(row["solution"])
+    right = [row["completion"] for row in rows[:20]]
+    wrong = [[{"role": "assistant", "content": f"The answer is \\boxed{{{int(row['solution']) + 1}}}."}]
+             for row in rows[:20]]
+    solutions = [row["solution"] for row in rows[:20]]
+    assert accuracy_reward(right, solutions) == [1.0] * 20
+    assert accuracy_reward(wrong, solutions) == [0.0] * 20
+
+
+def test_heldout_pairs_are_in_no_training_set(tiny_task):
+    heldout = [json.loads(line) for line in open(tiny_task / "heldout.jsonl")]
+    train = [json.loads(line) for line in open(tiny_task / "train.jsonl")]
+    assert heldout and all(is_heldout(*_pair(row)) for row in heldout)
+    assert not any(is_heldout(*_pair(row)) for row in train + addition_rows(4096, seed=10))  # + the models' SFT data
+    assert len({_pair(row) for row in heldout}) > 150  # distinct problems, not a few repeated
+
+
+def test_teacher_is_far_better_than_the_student_on_heldout_prompts(tiny_task):
+    """The builder's own numbers, and the same measured independently: sampled answers scored by the checker."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_opd.evaluation import heldout_reverse_kl
+
+    built = json.loads((tiny_task / "accuracy.json").read_text())
+    assert built["teacher"]["greedy"] >= 0.8 and built["student"]["greedy"] <= 0.4
+    assert json.loads((tiny_task / "DONE").read_text()) == TASK_SETTINGS
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task / "teacher")
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_task / "teacher")
+    student = AutoModelForCausalLM.from_pretrained(tiny_task / "student")
+    rows = [json.loads(line) for line in open(tiny_task / "heldout.jsonl")][:100]
+    kwargs = dict(prompts=[r["prompt"] for r in rows], solutions=[r["solution"] for r in rows],
+                  accuracy_func=accuracy_reward, max_new_tokens=40)
+    as_teacher = heldout_reverse_kl(teacher, teacher, tokenizer, **kwargs)
+    as_student = heldout_reverse_kl(student, teacher, tokenizer, **kwargs)
+    assert as_teacher["accuracy"] >= 0.8 and as_student["accuracy"] <= 0.4
+    assert as_teacher["reverse_kl_exact"] == pytest.approx(0.0, abs=1e-6)
+    assert as_student["reverse_kl_exact"] > 0.5
+
+
+@pytest.mark.parametrize("estimator", ["full", "sampled"])
+def test_demo_recipe_evaluates_heldout_accuracy_and_kl_during_training(tiny_task, tmp_path, capsys, estimator):
+    trainer = cli.train(*cli.make_parser().parse_args_and_config([
+        "--config", RECIPE,
+        "--model_name_or_path", str(tiny_task / "student"),
+        "--teacher_model_name_or_path", str(tiny_task / "teacher"),
+        "--dataset_name", str(tiny_task / "train.jsonl"),
+        "--eval_dataset_name", str(tiny_task / "heldout.jsonl"),
+        "--output_dir", str(tmp_path / "out"),
+        "--opd_estimator", estimator,
+        "--max_steps", "40", "--eval_steps", "20", "--logging_steps", "20",
+    ]))
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert [entry["step"] for entry in evals] == [0, 20, 40]  # before training, then every eval_steps
+    for entry in evals:
+        assert 0.0 <= entry["eval_accuracy"] <= 1.0 and entry["eval_opd/reverse_kl"] > 0
+    if estimator == "full":  # the exact held-out KL falls within 40 steps (the sampled estimator first rises)
+        assert evals[-1]["eval_opd/reverse_kl_dense"] < 0.9 * evals[0]["eval_opd/reverse_kl_dense"]
+    # the evaluation batch (100) is larger than the training one (32): every held-out prompt is scored
+    assert trainer.eval_dataset.num_rows == 200 and evals[0]["eval_runtime"] > 0
+    printed = capsys.readouterr().out
+    first, last = evals[0]["eval_accuracy"], evals[-1]["eval_accuracy"]
+    assert re.search(rf"accuracy +{first:.4f} -> +{last:.4f}", printed)
+    assert "Held-out evaluation, step 0 -> step 40" in printed

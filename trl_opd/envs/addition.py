@@ -1,0 +1,187 @@
+"""Two-digit addition with a worked answer: an offline single-turn task, and a tiny teacher/student pair with a real
+accuracy gap on it.
+
+    What is 47 + 38?  ->  7 + 8 = 15. 4 + 3 + 1 = 8. The answer is \\boxed{85}.
+
+Answers are checked by TRL's `accuracy_reward` (math-verify) against the `solution` column. One pair in ten, fixed by
+`is_heldout(a, b)`, never appears in any training data (the teacher's, the student's or the prompts to train on), so
+held-out accuracy measures the algorithm, not memory. The tokenizer splits digits one per token.
+
+Both models are trained with TRL's `SFTTrainer` on worked answers: the teacher long enough to be nearly always right,
+the smaller student briefly, so that it has the format but mostly wrong sums. `make_tiny_task` caches the result.
+
+    trl-opd make-tiny-task artifacts/tiny_task     # about 2 minutes on 2 CPU cores, then cached
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import zlib
+from pathlib import Path
+
+from ..testing import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+TASK_SETTINGS = {"student_hidden": 64, "student_steps": 150, "teacher_hidden": 96, "teacher_steps": 800, "lr": 5e-3}
+
+
+def is_heldout(a: int, b: int) -> bool:
+    """The fixed tenth of (a, b) pairs kept out of every training set (by a hash of the whole pair, so that every
+    digit fact still occurs in training, in other pairs)."""
+    return zlib.crc32(f"{a}+{b}".encode()) % 10 == 0
+
+
+def addition_row(a: int, b: int) -> dict:
+    """One conversational prompt/completion row with its `solution`."""
+    units = a % 10 + b % 10
+    tens = a // 10 + b // 10 + units // 10
+    worked = (f"{a % 10} + {b % 10} = {units}. {a // 10} + {b // 10} + {units // 10} = {tens}. "
+              f"The answer is \\boxed{{{a + b}}}.")
+    return {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+            "completion": [{"role": "assistant", "content": worked}], "solution": str(a + b)}
+
+
+def addition_rows(n: int, seed: int, *, heldout: bool = False) -> list[dict]:
+    """`n` random rows from the training pairs, or from the held-out pairs with `heldout`."""
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < n:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if is_heldout(a, b) == heldout:
+            rows.append(addition_row(a, b))
+    return rows
+
+
+def addition_dataset(n: int, seed: int, *, heldout: bool = False):
+    """`addition_rows` as a `datasets.Dataset` (columns prompt, completion, solution)."""
+    from datasets import Dataset
+
+    return Dataset.from_list(addition_rows(n, seed, heldout=heldout))
+
+
+def build_task_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer with digits split one per token and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [row["prompt"][0]["content"] + " " + row["completion"][0]["content"] for row in addition_rows(2000, 0)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                      additional_special_tokens=["<|im_start|>"], padding_side="left")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def sft(model, tokenizer, dataset, *, steps: int, lr: float, seed: int, batch_size: int = 32, output_dir=None):
+    """Train `model` in place with TRL's `SFTTrainer` on prompt/completion rows (loss on the completion only), with a
+    linear decay to zero over `steps`; returns the trainer. One thread: faster than two for a model this small."""
+    import tempfile
+
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            config = SFTConfig(
+                output_dir=output_dir or scratch, max_steps=steps, per_device_train_batch_size=batch_size,
+                learning_rate=lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.01, seed=seed,
+                logging_steps=max(steps // 5, 1), save_strategy="no", report_to="none", bf16=False,
+                gradient_checkpointing=False, disable_tqdm=True, dataloader_num_workers=0,
+            )
+            trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
+            trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    return trainer
+
+
+def completion_texts(model, tokenizer, prompts: list, *, max_new_tokens: int = 40, do_sample: bool = False,
+                     seed: int = 0, batch_size: int = 128, with_lengths: bool = False):
+    """The model's completions (special tokens stripped) to chat `prompts`, greedy or sampled at temperature 1; with
+    `with_lengths`, also the number of tokens each took (the end-of-sequence token included)."""
+    import torch
+
+    texts, lengths = [], []
+    torch.manual_seed(seed)
+    for start in range(0, len(prompts), batch_size):
+        chunk = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                 for p in prompts[start : start + batch_size]]
+        batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**batch, do_sample=do_sample, temperature=1.0 if do_sample else None, top_k=0,
+                                 top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+        completion = out[:, batch["input_ids"].size(1) :]
+        texts += tokenizer.batch_decode(completion, skip_special_tokens=True)
+        lengths += (completion != tokenizer.pad_token_id).sum(1).tolist()
+    return (texts, lengths) if with_lengths else texts
+
+
+def task_accuracy(model, tokenizer, rows: list[dict], *, do_sample: bool = False, seed: int = 0) -> float:
+    """Fraction of `rows` the model answers right (TRL's `accuracy_reward`), greedy or sampled."""
+    from trl.rewards import accuracy_reward
+
+    texts = completion_texts(model, tokenizer, [row["prompt"] for row in rows], do_sample=do_sample, seed=seed)
+    scores = accuracy_reward([[{"role": "assistant", "content": t}] for t in texts], [r["solution"] for r in rows])
+    return sum(s or 0.0 for s in scores) / len(rows)
+
+
+def _write_prompts(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps({"prompt": row["prompt"], "solution": row["solution"]}) + "\n")
+
+
+def make_tiny_task(directory: str | Path, *, overwrite: bool = False, **settings) -> Path:
+    """Build `student/`, `teacher/`, `train.jsonl`, `heldout.jsonl` and `accuracy.json` under `directory` (cached:
+    skipped if built there with the same settings; `settings` override `TASK_SETTINGS`)."""
+    from trl_opd.testing import build_model
+
+    directory = Path(directory)
+    settings = {**TASK_SETTINGS, **settings}
+    done = directory / "DONE"
+    if done.exists() and not overwrite and json.loads(done.read_text()) == settings:
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_task_tokenizer()
+    sft_data = addition_dataset(4096, seed=10)
+    heldout = addition_rows(200, seed=2, heldout=True)
+    accuracy = {}
+    for name, seed in (("student", 0), ("teacher", 1)):
+        model = build_model(tokenizer, hidden_size=settings[f"{name}_hidden"], seed=seed)
+        sft(model, tokenizer, sft_data, steps=settings[f"{name}_steps"], lr=settings["lr"], seed=seed)
+        model.save_pretrained(directory / name)
+        tokenizer.save_pretrained(directory / name)
+        accuracy[name] = {"greedy": task_accuracy(model, tokenizer, heldout),
+                          "sampled": task_accuracy(model, tokenizer, heldout, do_sample=True)}
+    _write_prompts(directory / "train.jsonl", addition_rows(2048, seed=1))
+    _write_prompts(directory / "heldout.jsonl", heldout)
+    (directory / "accuracy.json").write_text(json.dumps({"heldout_prompts": len(heldout), **accuracy}, indent=1))
+    done.write_text(json.dumps(settings) + "\n")
+    return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="trl-opd make-tiny-task", description=__doc__.splitlines()[0])
+    parser.add_argument("directory", nargs="?", default="artifacts/tiny_task")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    directory = make_tiny_task(args.directory, overwrite=args.overwrite)
+    accuracy = json.loads((directory / "accuracy.json").read_text())
+    print(f"{directory}: accuracy on {accuracy['heldout_prompts']} held-out prompts, greedy / sampled at temperature 1:"
+          f" teacher {accuracy['teacher']['greedy']:.0%} / {accuracy['teacher']['sampled']:.0%},"
+          f" student {accuracy['student']['greedy']:.0%} / {accuracy['student']['sampled']:.0%}")
+
+
+if __name__ == "__main__":
+    main()
