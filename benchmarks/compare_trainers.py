@@ -32,25 +32,30 @@ def _fmt(value, spec: str, missing: str = "not reached") -> str:
 def print_table(runs: list[dict], *, target: float, teacher_accuracy: float, args) -> None:
     from trl_opd.comparison import summarize
 
-    table = summarize(runs, target=target)
+    table, halfway = summarize(runs, target=target), summarize(runs, target=0.5)
     reference = table.get("trl-distillation")
     seeds = sorted({run["seed"] for run in runs})
     print(f"\n{args.steps} steps x 32 completions, lr {args.learning_rate:g} unless a method names its own, "
-          f"full fine-tune, seeds {seeds}; teacher "
-          f"held-out accuracy {teacher_accuracy:.0%}, target {target:.0%}; {os.cpu_count()} CPU cores, "
-          f"{time.strftime('%Y-%m-%d')}\n")
-    print("| method | held-out accuracy before -> after | held-out KL before -> after | generated tokens to target "
-          "(runs reaching it) | steps to target | s/step | s/step vs TRL | peak RSS vs TRL |")
+          f"full fine-tune, seeds {seeds}; teacher held-out accuracy {teacher_accuracy:.0%}, target {target:.0%}; "
+          f"{os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}\n")
+    print("| method | held-out accuracy before -> after | held-out KL before -> after | generated tokens to 50% "
+          f"accuracy | generated tokens to {target:.0%} (runs reaching it) | s/step | s/step vs TRL | "
+          "peak RSS vs TRL |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for method, row in table.items():
         speed = row["seconds_per_step"] / reference["seconds_per_step"] if reference else None
         memory = row.get("peak_rss_mib", 0) / reference["peak_rss_mib"] if reference else None
+        half = halfway[method]
         print(f"| {method} | {row['accuracy_before']:.0%} -> {row['accuracy']:.0%} | "
               f"{row['reverse_kl_before']:.3f} -> {row['reverse_kl']:.3f} | "
+              f"{_fmt(half['tokens_to_target'], ',.0f')} ({half['reached']}/{half['seeds']}) | "
               f"{_fmt(row['tokens_to_target'], ',.0f')} ({row['reached']}/{row['seeds']}) | "
-              f"{_fmt(row['steps_to_target'], '.0f', '-')} | {row['seconds_per_step']:.3f} | "
-              f"{_fmt(speed, '.2f', '-')}x | "
+              f"{row['seconds_per_step']:.3f} | {_fmt(speed, '.2f', '-')}x | "
               f"{_fmt(memory, '.2f', '-')}x ({row.get('peak_rss_mib', 0):.0f} MiB) |")
+    generation = [run["teacher_generation_seconds"] for run in runs if run["teacher_generation_seconds"]]
+    if generation:
+        print(f"\nSFT's teacher answers took {sum(generation) / len(generation):.0f} s to generate per run "
+              "(not in its s/step).")
 
 
 def main() -> None:
