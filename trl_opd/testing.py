@@ -76,6 +76,26 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     return wrapped
 
 
+def digit_split_bpe(corpus, *, vocab_size: int):
+    """A byte-level BPE tokenizer trained on `corpus`, digits split one per token, with ChatML's special tokens
+    (eos `<|im_end|>`, pad `<|endoftext|>`) and left padding; no chat template yet.
+
+    Single digits make copying or adding numbers a per-token affair, whatever the spacing around them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"], padding_side="left")
+
+
 def build_model(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, vocab_size: int | None = None, seed: int = 0):
     """A random Qwen3 causal LM over `tokenizer` (or a larger `vocab_size`, for memory tests)."""
     import torch

@@ -21,7 +21,7 @@ import random
 import zlib
 from pathlib import Path
 
-from ..testing import CHAT_TEMPLATE, SPECIAL_TOKENS
+from ..testing import CHAT_TEMPLATE, digit_split_bpe
 
 TASK_SETTINGS = {"student_hidden": 64, "student_steps": 150, "teacher_hidden": 96, "teacher_steps": 800, "lr": 5e-3}
 
@@ -62,22 +62,10 @@ def addition_dataset(n: int, seed: int, *, heldout: bool = False):
 
 def build_task_tokenizer(vocab_size: int = 384):
     """A byte-level BPE tokenizer with digits split one per token and a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     corpus = [row["prompt"][0]["content"] + " " + row["completion"][0]["content"] for row in addition_rows(2000, 0)]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                      additional_special_tokens=["<|im_start|>"], padding_side="left")
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
+    tokenizer = digit_split_bpe(corpus, vocab_size=vocab_size)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def sft(model, tokenizer, dataset, *, steps: int, lr: float, seed: int, batch_size: int = 32, output_dir=None):

@@ -16,6 +16,7 @@ import json
 import random
 from pathlib import Path
 
+from ..testing import digit_split_bpe
 from .arithmetic import ArithmeticToolEnv, arithmetic_tool_rows, gold_trajectory, write_rows
 
 # ChatML with the tools as one system line, "Tools: add(a, b) multiply(a, b)", and tool results as a `tool` turn.
@@ -36,7 +37,6 @@ COMPACT_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
 
 
@@ -52,7 +52,7 @@ def build_agent_tokenizer(template: str = "compact", *, vocab_size: int = 512, s
     Single digits make copying a number from the question or a tool result a plain token copy, whatever the spacing
     around it. `template` is "compact" or "qwen3".
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
     from trl.chat_template_utils import add_response_schema, qwen3_chat_template, qwen3_template
 
@@ -62,16 +62,7 @@ def build_agent_tokenizer(template: str = "compact", *, vocab_size: int = 512, s
     tools = agent_tools()
     corpus = [renderer.apply_chat_template(gold_trajectory(row), tools=tools, tokenize=False)
               for row in arithmetic_tool_rows(500, seed)]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                      additional_special_tokens=["<|im_start|>"], padding_side="left")
+    wrapped = digit_split_bpe(corpus, vocab_size=vocab_size)
     wrapped.add_tokens(TOOL_CALL_TOKENS)  # whole, and not special: decoding keeps them, as Qwen3's tokenizer does
     wrapped.chat_template = chat_template
     if template == "qwen3":
