@@ -58,8 +58,17 @@ def test_teacher_is_far_better_than_the_student_on_heldout_prompts(tiny_task):
     rows = [json.loads(line) for line in open(tiny_task / "heldout.jsonl")][:100]
     kwargs = dict(prompts=[r["prompt"] for r in rows], solutions=[r["solution"] for r in rows],
                   accuracy_func=accuracy_reward, max_new_tokens=40)
-    as_teacher = heldout_reverse_kl(teacher, teacher, tokenizer, **kwargs)
     as_student = heldout_reverse_kl(student, teacher, tokenizer, **kwargs)
+    calls = []
+
+    def recording_accuracy(completions, solution, prompts, **rest):
+        calls.append((len(completions), len(solution), len(prompts)))
+        return accuracy_reward(completions, solution)
+
+    # two samples per prompt: the accuracy function gets one prompt and one solution per sample
+    as_teacher = heldout_reverse_kl(teacher, teacher, tokenizer, **{**kwargs, "accuracy_func": recording_accuracy},
+                                    samples_per_prompt=2)
+    assert calls == [(200, 200, 200)]
     assert as_teacher["accuracy"] >= 0.8 and as_student["accuracy"] <= 0.4
     assert as_teacher["reverse_kl_exact"] == pytest.approx(0.0, abs=1e-6)
     assert as_student["reverse_kl_exact"] > 0.5

@@ -72,8 +72,8 @@ def heldout_reverse_kl(
                                        skip_special_tokens=True)
         chat = not isinstance(prompts[0], str)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-        references = [s for s in solutions for _ in range(samples_per_prompt)]
-        scores = accuracy_func(completions=completions, solution=references, prompts=prompts)
+        repeat = lambda values: [v for v in values for _ in range(samples_per_prompt)]  # noqa: E731 (one per sample)
+        scores = accuracy_func(completions=completions, solution=repeat(solutions), prompts=repeat(prompts))
         metrics["accuracy"] = sum(s or 0.0 for s in scores) / len(scores)
     return metrics
 
