@@ -84,7 +84,7 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
     """Train `student` (a path or Hub id) with `method` (one of `METHODS`) on `prompts` (a dataset with `prompt` and
     `solution` columns, as in `task_inputs`) and return its learning curve on `heldout` rows (prompt, solution)."""
     import torch
-    from datasets import Dataset
+    from datasets import Dataset, concatenate_datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.rewards import accuracy_reward
 
@@ -100,7 +100,7 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
                   gradient_checkpointing=False, disable_tqdm=True, bf16=dtype == "bfloat16")
     generation = dict(max_completion_length=max_completion_length, temperature=1.0)
     counter, teacher_seconds = _GeneratedTokens(student, tokenizer.pad_token_id), 0.0
-    generated_tokens = lambda step: counter.total  # noqa: E731 (SFT: the teacher's answers consumed by `step`)
+    generated_tokens = lambda step: counter.total  # noqa: E731 (the student's samples so far; SFT's is below)
     with tempfile.TemporaryDirectory() as scratch:
         common["output_dir"] = output_dir or scratch
         if method.startswith("opd"):
@@ -124,9 +124,10 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
         else:
             from trl import SFTConfig, SFTTrainer
 
-            rows = prompts.shuffle(seed=seed).select(range(min(len(prompts), steps * batch_size)))
-            while len(rows) < steps * batch_size:  # more answers than prompts: the teacher answers some again
-                rows = Dataset.from_list(list(rows) + list(prompts)[: steps * batch_size - len(rows)])
+            # one answer per training row; with more rows than prompts, the teacher answers prompts again
+            answers = steps * batch_size
+            repeats = [prompts] * ((answers - 1) // len(prompts))
+            rows = concatenate_datasets([prompts.shuffle(seed=seed), *repeats]).select(range(answers))
             begin = time.perf_counter()
             completions, lengths = _teacher_answers(teacher, tokenizer, rows["prompt"],
                                                     max_new_tokens=max_completion_length, seed=seed)
@@ -134,7 +135,7 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
             data = Dataset.from_dict({"prompt": rows["prompt"], "completion": completions})
             trainer = SFTTrainer(model=student, train_dataset=data, processing_class=tokenizer,
                                  args=SFTConfig(shuffle_dataset=False, **common))
-            generated_tokens = lambda step: sum(lengths[: step * batch_size])  # noqa: E731
+            generated_tokens = lambda step: sum(lengths[: step * batch_size])  # noqa: E731 (answers consumed)
         callback = _CurveCallback(
             teacher, tokenizer, [row["prompt"] for row in heldout], eval_every=eval_every,
             max_new_tokens=max_completion_length, seed=1234, solutions=[row["solution"] for row in heldout],
