@@ -78,6 +78,61 @@ def test_topk_beyond_the_servers_limit_is_refused_at_start_up(teacher_server, to
         served.connect(tokenizer, student_name="tiny student")
 
 
+def _long_batch(total, *, prompt_length=100):
+    """Two sequences sharing a prompt: row 0 a 20-token completion, row 1 one making `total` tokens in all."""
+    ids = torch.randint(3, 480, (total,), generator=torch.Generator().manual_seed(0))
+    prompt_ids, completion_ids = ids[:prompt_length].repeat(2, 1), ids[prompt_length:].repeat(2, 1)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[0, 20:] = 0
+    return prompt_ids, torch.ones_like(prompt_ids), completion_ids, completion_mask
+
+
+def test_a_sequence_one_token_short_of_max_model_len_is_scored_like_the_local_teacher(teacher_server, tiny,
+                                                                                       tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    served = VLLMServerTeacher(teacher_server)
+    served.connect(tokenizer, student_name="tiny student")
+    assert served.max_model_lens == {teacher_server: 512}  # read from /v1/models
+    batch = _long_batch(511)  # the longest a --max-model-len 512 server scores
+    local = LocalTeacher(freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher")), batch_size=8)
+    served_scores, local_scores = served.score(*batch), local.score(*batch)
+    mask = batch[3].bool()
+    assert served_scores.logps.shape == (2, 411) and mask[1].all()
+    assert (served_scores.logps[mask] - local_scores.logps[mask]).abs().max() < 1e-4
+    # causal: the short row's log-probs are the long row's first ones
+    assert (served_scores.logps[0, :20] - served_scores.logps[1, :20]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("total", [512, 513])
+def test_a_sequence_at_or_over_max_model_len_is_refused_before_any_request(teacher_server, tokenizer, monkeypatch,
+                                                                           total):
+    served = VLLMServerTeacher(teacher_server, batch_size=1)  # the short row alone in a chunk, sent first otherwise
+    served.connect(tokenizer, student_name="tiny student")
+    sent, request = [], served._session.request
+
+    def counted(*args, **kwargs):
+        sent.append(args)
+        return request(*args, **kwargs)
+
+    monkeypatch.setattr(served._session, "request", counted)
+    message = (
+        rf"{teacher_server} cannot score sequence 1: its prompt \(100 tokens\) plus completion \({total - 100} "
+        rf"tokens\) is {total} tokens, and a server started with --max-model-len 512 scores at most 511 .* "
+        rf"--max-model-len {total + 1} or more .* or lower max_completion_length or shorten the prompts\."
+    )
+    batch = _long_batch(total)
+    with pytest.raises(TeacherServerError, match=message):
+        served.score(*batch)
+    assert sent == []
+
+    # the check is not stricter than the server: vLLM itself refuses the sequence
+    sequence = torch.cat([batch[0][1], batch[2][1]]).tolist()
+    with pytest.raises(TeacherServerError, match="HTTP 400"):
+        served._score_chunk(teacher_server, [sequence], first_index=1)
+    assert len(sent) == 1
+
+
 def _opd_logs(trainer):
     return [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
 

@@ -3,6 +3,9 @@
 Each sequence (prompt + student completion, as token ids) is sent as a prompt with `prompt_logprobs`; the server
 answers one entry per prompt position, keyed by token id, and the entries at completion positions are the teacher's
 log-probs of the sampled tokens. Start a server with `trl-opd serve-teacher MODEL`.
+
+vLLM refuses a prompt that leaves no room for one output token, whatever the request asks for, so a sequence can be
+at most the server's `--max-model-len` less one token long.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class VLLMServerTeacher:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="opd-teacher")
         self.models: dict[str, str] = {}  # url -> served model id, filled by `connect`
+        self.max_model_lens: dict[str, int] = {}  # url -> the server's --max-model-len, where `connect` could read it
 
     @classmethod
     def from_env(cls, urls, *, api_key_env: str | None, **kwargs) -> VLLMServerTeacher:
@@ -112,8 +116,10 @@ class VLLMServerTeacher:
         expected = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
         for url in self.urls:
             self._request("GET", url, "/health")
-            model = self._request("GET", url, "/v1/models")["data"][0]["id"]
-            self.models[url] = model
+            served_model = self._request("GET", url, "/v1/models")["data"][0]
+            model = self.models[url] = served_model["id"]
+            if isinstance(served_model.get("max_model_len"), int):  # vLLM reports it; other servers may not
+                self.max_model_lens[url] = served_model["max_model_len"]
             served = self._request(
                 "POST", url, "/tokenize", {"model": model, "prompt": _TOKENIZER_PROBE, "add_special_tokens": False}
             )["tokens"]
@@ -163,16 +169,35 @@ class VLLMServerTeacher:
             )
         return [choice.get("prompt_logprobs") for choice in choices]
 
+    def _check_fits(self, url: str, prompt_length: int, completion_length: int, *, index: int) -> None:
+        """Raise if a sequence is too long for the server at `url` (it keeps one position for an output token)."""
+        limit = self.max_model_lens.get(url)
+        if limit is None or prompt_length + completion_length < limit:
+            return
+        raise TeacherServerError(
+            f"Teacher server {url} cannot score sequence {index}: its prompt ({prompt_length} tokens) plus completion "
+            f"({completion_length} tokens) is {prompt_length + completion_length} tokens, and a server started with "
+            f"--max-model-len {limit} scores at most {limit - 1} (vLLM keeps one position for an output token). "
+            f"Restart the server with --max-model-len {prompt_length + completion_length + 1} or more (the longest "
+            "prompt plus max_completion_length, plus one), or lower max_completion_length or shorten the prompts."
+        )
+
     def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> TeacherScores:
         rows, num_completion = completion_ids.shape
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
         completions = [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask, strict=True)]
         scored = [i for i in range(rows) if completions[i]]  # a fully masked completion has nothing to score
 
-        futures = []
+        chunks = []
         for chunk_number, start in enumerate(range(0, len(scored), self.batch_size)):
             indices = scored[start : start + self.batch_size]
             url = self.urls[chunk_number % len(self.urls)]
+            for i in indices:
+                self._check_fits(url, len(prompts[i]), len(completions[i]), index=i)
+            chunks.append((indices, url))
+        # sent only once every sequence is known to fit: a refused one would fail its whole chunk with a vLLM message
+        futures = []
+        for indices, url in chunks:
             sequences = [prompts[i] + completions[i] for i in indices]
             futures.append((indices, url, self._pool.submit(self._score_chunk, url, sequences, indices[0])))
 
