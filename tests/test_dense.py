@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from trl_opd import OPDTrainer
-from trl_opd.loss import dense_reverse_kl, dense_topk_reverse_kl, head_token_logps, head_topk_logps
+from trl_opd.heads import OutputHead, head_token_logps, head_topk_logps
+from trl_opd.loss import dense_reverse_kl, dense_topk_reverse_kl
 from trl_opd.testing import TensorMemoryMeter
 
 
@@ -20,7 +21,8 @@ def test_dense_reverse_kl_equals_the_full_vocabulary_sum_and_its_gradient():
     student_weight = torch.randn(300, 16, requires_grad=True)
     teacher_hidden, teacher_weight = torch.randn(2, 5, 24), torch.randn(300, 24)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    kl = dense_reverse_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, mask)
+    kl = dense_reverse_kl(student_hidden, OutputHead(student_weight), teacher_hidden, OutputHead(teacher_weight),
+                          mask)
     naive = _naive_kl(student_hidden, student_weight, teacher_hidden, teacher_weight) * mask
     torch.testing.assert_close(kl, naive, atol=1e-4, rtol=1e-5)
     assert kl[0, 3:].abs().sum() == 0
@@ -29,7 +31,8 @@ def test_dense_reverse_kl_equals_the_full_vocabulary_sum_and_its_gradient():
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert grads[0][0, 3:].abs().sum() == 0  # no gradient where the mask is 0
-    same = dense_reverse_kl(student_hidden, student_weight, student_hidden.detach(), student_weight.detach(), mask)
+    same = dense_reverse_kl(student_hidden, OutputHead(student_weight), student_hidden.detach(),
+                            OutputHead(student_weight.detach()), mask)
     assert same.abs().max() < 1e-5  # identical distributions: zero KL
 
 
@@ -43,7 +46,8 @@ def test_dense_term_never_builds_positions_by_vocab_for_both_models():
     with TensorMemoryMeter() as naive:
         _naive_kl(student_hidden, student_weight, teacher_hidden, teacher_weight).sum().backward()
     with TensorMemoryMeter() as tiled:
-        dense_reverse_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, mask).sum().backward()
+        heads = OutputHead(student_weight), OutputHead(teacher_weight)
+        dense_reverse_kl(student_hidden, heads[0], teacher_hidden, heads[1], mask).sum().backward()
     full_logits = positions * vocab * 4  # one (positions, vocab) float32 tensor: 112 MiB
     assert naive.largest >= full_logits
     assert tiled.largest < full_logits / 3
@@ -70,12 +74,13 @@ def test_topk_reverse_kl_equals_the_bucketed_sum_its_gradient_and_bounds_the_ful
     student_weight = torch.randn(300, 16, requires_grad=True)
     teacher_hidden, teacher_weight = torch.randn(2, 5, 24) * 0.3, torch.randn(300, 24)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    ids, teacher_logps = head_topk_logps(teacher_hidden.flatten(0, 1), teacher_weight, k=5, tile_elements=900)
+    student_head, teacher_head = OutputHead(student_weight), OutputHead(teacher_weight)
+    ids, teacher_logps = head_topk_logps(teacher_hidden.flatten(0, 1), teacher_head, k=5, tile_elements=900)
     naive, naive_ids, naive_logps = _naive_topk_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, 5)
     assert torch.equal(ids.view(2, 5, 5), naive_ids)  # the teacher's top-k, tiled (3 positions per tile here)
     torch.testing.assert_close(teacher_logps.view(2, 5, 5).double(), naive_logps, atol=1e-5, rtol=1e-5)
 
-    kl = dense_topk_reverse_kl(student_hidden, student_weight, ids.view(2, 5, 5), teacher_logps.view(2, 5, 5), mask)
+    kl = dense_topk_reverse_kl(student_hidden, student_head, ids.view(2, 5, 5), teacher_logps.view(2, 5, 5), mask)
     torch.testing.assert_close(kl.double(), naive * mask, atol=1e-5, rtol=1e-4)
     grads = torch.autograd.grad(kl.sum(), [student_hidden, student_weight])
     expected = torch.autograd.grad((naive * mask).sum(), [student_hidden, student_weight])
@@ -86,7 +91,7 @@ def test_topk_reverse_kl_equals_the_bucketed_sum_its_gradient_and_bounds_the_ful
     # the student's side in tiles of 3 positions (a hand-written backward) against autograd through whole logits
     bias = torch.randn(300, requires_grad=True)
     flat_hidden, flat_ids, weights = student_hidden.flatten(0, 1), ids, torch.randn(10, 5)
-    tiled = head_token_logps(flat_hidden, student_weight, flat_ids, head_bias=bias, tile_elements=900)
+    tiled = head_token_logps(flat_hidden, OutputHead(student_weight, bias), flat_ids, tile_elements=900)
     whole = (flat_hidden @ student_weight.T + bias).log_softmax(-1).gather(-1, flat_ids)
     torch.testing.assert_close(tiled, whole, atol=1e-5, rtol=1e-5)
     for got, want in zip(torch.autograd.grad((tiled * weights).sum(), [student_hidden, student_weight, bias]),
@@ -95,10 +100,10 @@ def test_topk_reverse_kl_equals_the_bucketed_sum_its_gradient_and_bounds_the_ful
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
     # merging tokens into one bucket can only lower a KL; with every token its own outcome it is the full KL
-    full = dense_reverse_kl(student_hidden, student_weight, teacher_hidden, teacher_weight, mask)
+    full = dense_reverse_kl(student_hidden, student_head, teacher_hidden, teacher_head, mask)
     assert (kl <= full + 1e-5).all() and (kl[mask.bool()] < full[mask.bool()]).all()
-    all_ids, all_logps = head_topk_logps(teacher_hidden.flatten(0, 1), teacher_weight, k=300)
-    every = dense_topk_reverse_kl(student_hidden, student_weight, all_ids.view(2, 5, 300), all_logps.view(2, 5, 300),
+    all_ids, all_logps = head_topk_logps(teacher_hidden.flatten(0, 1), OutputHead(teacher_weight), k=300)
+    every = dense_topk_reverse_kl(student_hidden, student_head, all_ids.view(2, 5, 300), all_logps.view(2, 5, 300),
                                   mask)
     torch.testing.assert_close(every, full, atol=1e-4, rtol=1e-4)
 
@@ -121,7 +126,7 @@ def test_topk_term_never_builds_positions_by_vocab():
         expected = naive()
         expected.sum().backward()
     with TensorMemoryMeter() as tiled:
-        kl = dense_topk_reverse_kl(student_hidden, student_weight, teacher_ids, teacher_logps, mask)
+        kl = dense_topk_reverse_kl(student_hidden, OutputHead(student_weight), teacher_ids, teacher_logps, mask)
         kl.sum().backward()
     torch.testing.assert_close(kl, expected.detach(), atol=1e-4, rtol=1e-4)
     full_logits = positions * vocab * 4  # one (positions, vocab) float32 tensor: 112 MiB
@@ -267,3 +272,155 @@ def test_a_dense_term_alone_needs_no_extra_student_forward_and_logs_the_same_met
                  "opd/teacher_entropy", "opd/action_token_fraction", "opd/reverse_kl_dense", "loss", "grad_norm",
                  "entropy"):
         assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), name
+
+
+# ------------------------------------------------------------------------------------ temperatures and logit transforms
+
+
+def _exact_kl_of_each_batch(trainer):
+    """Records, for each generation batch, the exact full-vocabulary KL(student || teacher) per distilled token,
+    written out from both models' plain forwards (their own logits, soft cap included) at the time of sampling."""
+    kls, original = [], trainer._generate_and_score_completions
+
+    def record(inputs):
+        output = original(inputs)
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+        num = output["completion_ids"].size(1)
+        with torch.no_grad():
+            student = trainer.model(input_ids=ids, attention_mask=attention).logits[:, -num - 1 : -1]
+            teacher = trainer.teacher_model(input_ids=ids, attention_mask=attention).logits[:, -num - 1 : -1]
+        student = (student.double() / trainer.args.temperature).log_softmax(-1)
+        teacher = (teacher.double() / trainer.args.teacher_temperature).log_softmax(-1)
+        kls.append(((student.exp() * (student - teacher)).sum(-1), output["action_mask"].bool()))
+        return output
+
+    trainer._generate_and_score_completions = record
+    return kls
+
+
+@pytest.mark.parametrize("estimator", ["full", "topk"])
+def test_dense_loss_is_the_kl_of_the_sampling_student_and_the_tempered_teacher(tiny, prompts, make_config, estimator):
+    # the rule: the student side is divided by the sampling `temperature` (the policy that sampled), the teacher side
+    # by `teacher_temperature`; with k = the whole vocabulary the top-k term is the full KL. (Old main: the full term
+    # ran both at temperature 1, the same loss at teacher temperature 1 and 0.5.)
+    trainer = OPDTrainer(
+        model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+        args=make_config(opd_estimator=estimator, opd_topk=len(trainer_tokenizer(tiny)), max_steps=1,
+                         temperature=0.7, teacher_temperature=0.5),
+    )
+    kls = _exact_kl_of_each_batch(trainer)
+    trainer.train()
+    (kl, mask), = kls
+    expected = kl[mask].mean().item()
+    first = trainer.state.log_history[0]
+    name = "opd/reverse_kl_dense" if estimator == "full" else "opd/reverse_kl_topk"
+    assert first[name] == pytest.approx(expected, rel=1e-4)
+    assert first["loss"] == pytest.approx(expected, rel=1e-4)  # the dense term alone, dapo-normalised
+
+
+def trainer_tokenizer(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny / "student")
+
+
+@pytest.fixture(scope="module")
+def softcapped_pair(tiny, tmp_path_factory):
+    """A tiny Gemma-2 student and teacher over the tiny tokenizer, LM heads scaled up so the soft cap (5) acts."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    tokenizer, root = trainer_tokenizer(tiny), tmp_path_factory.mktemp("gemma2")
+    for name, seed in (("student", 0), ("teacher", 1)):
+        torch.manual_seed(seed)
+        config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, final_logit_softcapping=5.0,
+                              tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+        model = AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(30.0)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.parametrize("estimator", ["full", "topk"])
+def test_soft_capped_models_are_distilled_on_their_own_distributions(tiny, softcapped_pair, prompts, make_config,
+                                                                     estimator):
+    # (old main projected with the bare LM-head weight: a KL of ~0 here, and token log-probs off by tens of nats)
+    trainer = OPDTrainer(
+        model=str(softcapped_pair / "student"), teacher_model=str(softcapped_pair / "teacher"), train_dataset=prompts,
+        args=make_config(opd_estimator=estimator, opd_topk=len(trainer_tokenizer(tiny)), max_steps=1),
+    )
+    kls = _exact_kl_of_each_batch(trainer)
+    logps, original = [], trainer._log_deferred_metrics
+
+    def compare(inputs, old):  # the lean forward's sampled-token log-probs (opd/student_logp) against GRPO's
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():  # GRPO's own method (the trainer's is observed during the loss forward)
+            grpo, _, _ = OPDTrainer._get_per_token_logps_and_entropies(
+                trainer, trainer.model, ids, attention, inputs["completion_ids"].size(1))
+        logps.append((old, grpo, inputs["action_mask"].bool()))
+        return original(inputs, old)
+
+    trainer._log_deferred_metrics = compare
+    trainer.train()
+    (kl, mask), = kls
+    first = trainer.state.log_history[0]
+    assert kl[mask].mean().item() > 0.1
+    name = "opd/reverse_kl_dense" if estimator == "full" else "opd/reverse_kl_topk"
+    assert first[name] == pytest.approx(kl[mask].mean().item(), rel=1e-4)
+    (old, grpo, valid), = logps
+    torch.testing.assert_close(old[valid], grpo[valid], atol=1e-4, rtol=1e-4)  # soft cap included
+
+
+def test_a_teacher_model_given_as_a_url_with_the_full_estimator_is_refused(tiny, prompts, make_config):
+    # every way of naming a teacher resolves to one source before the estimator checks (old main: a run with loss 0)
+    with pytest.raises(ValueError, match="opd_estimator='full' needs the teacher's hidden states(.|\n)*'topk' works"):
+        OPDTrainer(model=str(tiny / "student"), teacher_model="http://127.0.0.1:9", train_dataset=prompts,
+                   args=make_config(opd_estimator="full"))
+    with pytest.raises(ValueError, match="opd_estimator='full' needs the teacher's hidden states"):
+        make_config(opd_estimator="full", teacher_model_name_or_path="http://127.0.0.1:9")
+
+
+def test_dense_estimators_are_refused_under_fsdp(tiny, prompts, make_config):
+    # the dense terms read the LM head's weight outside the forward, where FSDP keeps it sharded
+    args = make_config(opd_estimator="full")
+    args.fsdp = ["full_shard"]
+    with pytest.raises(NotImplementedError, match="under FSDP is not supported"):
+        OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts, args=args)
+
+
+def test_a_teacher_with_extra_vocabulary_rows_is_compared_over_the_students_ids(tiny, tokenizer, caplog):
+    """A larger teacher vocabulary: top-k ids stay writable by the student, 'full' renormalises the teacher over the
+    student's ids, and real probability on the extra rows is reported (untrained padding rows carry none)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_opd.teachers import LocalTeacher
+    from trl_opd.teachers.local import freeze_teacher
+
+    vocab = len(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny / "teacher")
+    model.resize_token_embeddings(vocab + 16, mean_resizing=False)
+    with torch.no_grad():  # extra rows that outscore everything: most of the teacher's mass beyond the student's ids
+        model.get_output_embeddings().weight[vocab:] = model.get_output_embeddings().weight[:16] * 5
+    teacher = LocalTeacher(freeze_teacher(model), batch_size=2, return_hidden=True, topk=4, student_vocab_size=vocab)
+    prompt = tokenizer(["12 + 7 =", "3 + 4 ="], return_tensors="pt", padding=True, padding_side="left")
+    completion = tokenizer([" 19.", " 7"], return_tensors="pt", padding=True, padding_side="right")
+    with caplog.at_level("WARNING"):
+        scores = teacher.score(prompt.input_ids, prompt.attention_mask, completion.input_ids,
+                               completion.attention_mask)
+    assert "beyond the student's vocabulary" in caplog.text
+    assert (scores.topk_ids < vocab).all()
+    # the full term: the teacher over the student's ids only, renormalised there
+    valid = completion.attention_mask.bool()
+    student_hidden, student_weight = torch.randn(*scores.hidden.shape[:2], 8), torch.randn(vocab, 8)
+    kl = dense_reverse_kl(student_hidden, OutputHead(student_weight), scores.hidden, teacher.output_head, valid)
+    student = (student_hidden @ student_weight.T).log_softmax(-1)
+    teacher_logps = teacher.output_head.logits(scores.hidden.flatten(0, 1))[:, :vocab].log_softmax(-1)
+    expected = (student.exp() * (student - teacher_logps.view_as(student))).sum(-1)
+    torch.testing.assert_close(kl[valid], expected[valid], atol=1e-4, rtol=1e-4)

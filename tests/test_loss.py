@@ -47,7 +47,16 @@ def test_all_masked_row_gives_no_nan_even_if_its_logps_are_garbage():
 def test_discounted_future_sum_by_hand():
     values = torch.tensor([[1.0, 2.0, 3.0]])
     # t=2: 3; t=1: 2 + 0.5 * 3 = 3.5; t=0: 1 + 0.5 * 2 + 0.25 * 3 = 2.75
-    assert discounted_future_sum(values, gamma=0.5).tolist() == [[2.75, 3.5, 3.0]]
+    assert discounted_future_sum(values, torch.ones(1, 3, dtype=torch.bool), gamma=0.5).tolist() == [[2.75, 3.5, 3.0]]
+
+
+def test_discount_steps_over_actions_only_not_observation_tokens():
+    # two student turns (actions at 0 and 3) around a two-token observation (1, 2): one action later, one gamma
+    teacher = torch.tensor([[0.0, 5.0, 5.0, 0.0]])
+    old = torch.tensor([[-1.0, 0.0, 0.0, -1.0]])
+    mask = torch.tensor([[1, 0, 0, 1]])
+    # per-token A = [1, 0, 0, 1]; t=3: 1; t=0: 1 + 0.5 * 1 = 1.5 (the old scan gave 1 + 0.5^3 = 1.125)
+    assert opd_advantages(teacher, old, mask, discount=0.5).tolist() == [[1.5, 0.0, 0.0, 1.0]]
 
 
 def test_discount_does_not_carry_padding_and_zero_discount_is_off():

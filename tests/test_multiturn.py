@@ -195,3 +195,96 @@ def test_an_environment_with_its_own_reward_needs_groups(tiny_agent, make_config
     with pytest.raises(ValueError, match=r"Reward functions need groups .* set num_generations >= 2"):
         OPDTrainer(model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"), train_dataset=prompts,
                    environment_factory=Rewarded, args=make_config(max_completion_length=128))
+
+
+def _recorded_teacher_prompts(trainer):
+    """Wraps the teacher's scorer to keep the prompt ids it is given (left padding removed)."""
+    seen, score = [], trainer.teacher.score
+
+    def record(prompt_ids, prompt_mask, *args, **kwargs):
+        seen.extend(ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True))
+        return score(prompt_ids, prompt_mask, *args, **kwargs)
+
+    trainer.teacher.score = record
+    return seen
+
+
+@pytest.mark.parametrize("teacher_prompt", ["teacher_system_prompt", "teacher_prompt_column"])
+def test_the_teacher_sees_an_environments_reset_observation_with_its_own_context(tiny_agent, make_config,
+                                                                                 teacher_prompt):
+    # GRPO appends what reset() returns to the prompt's last message; the teacher-only prompt must keep it (old main
+    # rebuilt the teacher's prompt from the dataset row and dropped it)
+    from datasets import load_dataset
+
+    from trl_opd.envs import ArithmeticToolEnv
+
+    class Briefed(ArithmeticToolEnv):
+        def reset(self, **row):
+            super().reset(**row)
+            return " Briefing: the tools are exact."
+
+    system = "You are an expert."
+    prompts = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train").select(range(4))
+    prompts = prompts.map(lambda row: {"teacher_prompt": [{"role": "system", "content": system}, *row["prompt"]]})
+    option = {"teacher_system_prompt": system} if teacher_prompt == "teacher_system_prompt" else {
+        "teacher_prompt_column": "teacher_prompt"}
+    trainer = OPDTrainer(
+        model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"), train_dataset=prompts,
+        environment_factory=Briefed, args=make_config(max_completion_length=32, max_tool_calling_iterations=1,
+                                                      **option),
+    )
+    seen = _recorded_teacher_prompts(trainer)
+    torch.manual_seed(0)
+    rows = [dict(prompts[i]) for i in range(4)]
+    trainer._generate_and_score_completions(rows)
+    tokenizer = trainer.processing_class
+    for row, ids in zip(rows, seen, strict=True):
+        user = {**row["prompt"][-1], "content": row["prompt"][-1]["content"] + " Briefing: the tools are exact."}
+        expected = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, *row["prompt"][:-1], user], tools=trainer.tools or None,
+            add_generation_prompt=True,
+        )["input_ids"]
+        assert ids == list(expected)
+
+
+def test_a_truncated_completion_with_an_action_mask_is_masked_out_not_refused(tiny, prompts, make_config):
+    # GRPO zeroes a truncated row's completion mask (mask_truncated_completions); old main then refused its
+    # action_mask as having the wrong length
+    trainer = _trainer(tiny, prompts, make_config, mask_truncated_completions=True)
+    torch.manual_seed(0)
+    rows, batch = _batch(trainer, prompts)
+    truncated = [i for i in range(4) if batch["completion_mask"][i].sum() == 0]
+    assert any(rows[i]["action_mask"] is not None for i in truncated), "no multi-turn row was truncated"
+    for i in range(4):
+        if i in truncated:
+            assert batch["action_mask"][i].sum() == 0  # nothing of a masked-out row is distilled
+        elif rows[i]["action_mask"] is not None:
+            length = int(batch["completion_mask"][i].sum())
+            assert batch["action_mask"][i, :length].tolist() == rows[i]["action_mask"]
+    assert batch["num_items_in_batch"] == batch["action_mask"].sum()
+
+
+def test_a_teacher_only_prompt_needs_a_rollout_that_renders_prompts_like_the_trainer(tiny, prompts, make_config):
+    # the teacher-only prompt is rendered with the trainer's template: that adds only the teacher's context if the
+    # rollout rendered the student's prompt the same way; otherwise the two prompts would differ in more than that
+    def own_rendering(prompts, trainer):
+        result = scripted_rollout(prompts, trainer)
+        result["prompt_ids"] = [trainer.processing_class.encode("Q: ") + ids for ids in result["prompt_ids"]]
+        return result
+
+    rows = [dict(prompts[i]) for i in range(4)]
+    for rollout, fails in ((scripted_rollout, False), (own_rendering, True)):
+        trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                             args=make_config(max_completion_length=64, teacher_system_prompt="Be exact."),
+                             rollout_func=rollout)
+        seen = _recorded_teacher_prompts(trainer)
+        torch.manual_seed(0)
+        if fails:
+            with pytest.raises(ValueError, match="Row 0: the rollout function's prompt_ids are not the student's"):
+                trainer._generate_and_score_completions(rows)
+            continue
+        trainer._generate_and_score_completions(rows)
+        system = [{"role": "system", "content": "Be exact."}]
+        expected = [trainer.processing_class.apply_chat_template(system + row["prompt"], add_generation_prompt=True)[
+            "input_ids"] for row in rows]
+        assert seen == [list(ids) for ids in expected]

@@ -226,3 +226,27 @@ def test_wrapped_logps_calls_nest_and_restore_the_original():
         assert trainer._get_per_token_logps_and_entropies(4) == 4  # the inner block left the outer wrapper in place
     assert calls == ["inner", "outer", "outer"]
     assert "_get_per_token_logps_and_entropies" not in vars(trainer)  # the class's method again
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_completion_tokens_are_counted_once_per_generation_batch(tiny, prompts, make_config, estimator):
+    # each generation batch is trained on twice within one optimizer step (num_iterations=2, 2 micro-batches each,
+    # accumulation 4: GRPO's aligned case, no old log-probs); its tokens count once (old main: twice with a dense term
+    # alone, whose metrics are logged from each loss forward)
+    config = make_config(max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         steps_per_generation=2, num_iterations=2, opd_estimator=estimator)
+    trainer = _trainer(tiny, prompts, config)
+    counted, original = [], trainer._generate_and_score_completions
+
+    def record(inputs):
+        output = original(inputs)
+        if trainer.model.training:
+            counted.append(int(output["action_mask"].sum()))
+        return output
+
+    trainer._generate_and_score_completions = record
+    trainer.train()
+    totals = [entry["data/completion_tokens_total"] for entry in trainer.state.log_history
+              if "data/completion_tokens_total" in entry]
+    assert len(counted) == 2
+    assert totals[-1] == sum(counted)

@@ -223,10 +223,12 @@ def _mixed(tiny, prompts, make_config, reward, **overrides):
     return _first(trainer, "loss")
 
 
-def test_reward_only_reproduces_grpo(tiny, prompts, make_config):
+@pytest.mark.parametrize("estimator", ["sampled", "topk", "full"])
+def test_reward_only_reproduces_grpo(tiny, prompts, make_config, estimator):
+    # opd_loss_coef 0 switches the whole teacher signal off, dense term included (old main added the dense term)
     from trl import GRPOConfig, GRPOTrainer
 
-    opd = _mixed(tiny, prompts, make_config, _digits_reward, opd_loss_coef=0.0)
+    opd = _mixed(tiny, prompts, make_config, _digits_reward, opd_loss_coef=0.0, opd_estimator=estimator)
     fields = {k: v for k, v in make_config(max_steps=1, num_generations=2).to_dict().items()
               if k in GRPOConfig.__dataclass_fields__ and GRPOConfig.__dataclass_fields__[k].init}
     fields.update(max_steps=1, num_generations=2, per_device_train_batch_size=4)
@@ -317,3 +319,85 @@ def test_routing_errors_before_training(tiny, prompts, make_config):
     with pytest.raises(ValueError, match=r"routes rows to \['chemistry'\], which are not among .*\['expert'\]"):
         OPDTrainer(model=str(tiny / "student"), args=make_config(teachers=teachers),
                    train_dataset=_routed_prompts(tiny, ["expert", "chemistry"]))
+
+
+def test_the_reward_term_keeps_grpos_clipping_when_the_teacher_term_is_unclipped(tiny, prompts, make_config):
+    # ratio 2 on every token, A_RL = A_teacher = 1, epsilon 0.2 / epsilon_high 0.28: the RL loss is GRPO's clipped
+    # -min(2, 1.28) = -1.28, the teacher's unclipped -2 (old main unclipped both: rl/loss -2)
+    config = make_config(num_generations=2, opd_objective="importance_sampling", loss_type="dapo", epsilon=0.2,
+                         epsilon_high=0.28, opd_loss_coef=0.5)
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=config,
+                         train_dataset=prompts, reward_funcs=[_digits_reward])
+    model = trainer.model
+    model.eval()  # no accumulation scaling
+    prompt_ids, completion_ids = torch.tensor([[1, 263, 264, 201]]), torch.tensor([[272, 260, 291]])
+    prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), 3
+        )
+    inputs = {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+        "completion_mask": completion_mask, "action_mask": completion_mask, "old_per_token_logps": logps - math.log(2),
+        "advantages": torch.ones(1, 3), "teacher_advantages": torch.ones(1, 3), "num_items_in_batch": torch.tensor(3.0),
+    }
+    loss = trainer.compute_loss(model, inputs)
+    assert trainer._metrics["eval"]["rl/loss"][-1] == pytest.approx(-1.28, abs=1e-5)
+    assert trainer._metrics["eval"]["opd/loss"][-1] == pytest.approx(-2.0, abs=1e-5)
+    assert loss.item() == pytest.approx(-1.28 + 0.5 * -2.0, abs=1e-5)
+    assert (trainer.epsilon_low, trainer.epsilon_high) == (0.2, 0.28)  # restored after the teacher's objective
+
+
+def test_rl_and_opd_losses_are_on_the_scale_of_the_logged_loss(tiny, prompts, make_config):
+    # both are divided for gradient accumulation inside GRPO's loss; logged undivided, they add up to `loss`
+    # (old main: at gradient_accumulation_steps=2, rl/loss + opd/loss was half of loss)
+    config = make_config(max_steps=2, num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                         opd_loss_coef=0.5)
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=config,
+                         train_dataset=prompts, reward_funcs=[_digits_reward])
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "rl/loss" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["loss"] == pytest.approx(entry["rl/loss"] + 0.5 * entry["opd/loss"], abs=1e-4)
+
+
+def test_ref_as_teacher_with_a_kl_penalty_keeps_the_teacher_only_prompt(tiny, prompts, make_config):
+    # GRPO's reference log-probs (for beta > 0) are on the student's prompt: the teacher's own prompt must be scored
+    # instead (old main reused them, a KL of exactly 0 and nothing learned)
+    def first_kl(beta):
+        trainer = OPDTrainer(model=str(tiny / "student"), train_dataset=prompts,
+                             args=make_config(max_steps=1, ref_as_teacher=True, beta=beta,
+                                              teacher_system_prompt="Answer with one number."))
+        trainer.train()
+        return _first(trainer)["opd/reverse_kl"]
+
+    without_penalty = first_kl(0.0)
+    assert abs(without_penalty) > 1e-3
+    assert first_kl(0.04) == pytest.approx(without_penalty, rel=1e-5)
+
+
+OPTIONS_THAT_DO_NOTHING = {
+    "importance_sampling with the dense term alone": (dict(opd_estimator="full", opd_objective="importance_sampling"),
+                                                      "shapes the sampled-token term"),
+    "discount with the dense term alone": (dict(opd_estimator="topk", kl_discount_factor=0.9),
+                                           "shapes the sampled-token term"),
+    "opd_loss_coef without rewards": (dict(opd_loss_coef=0.5), "there are none"),
+    "no signal at all": (dict(opd_estimator="sampled", opd_coef=0.0), "Nothing to learn from"),
+    "no dense weight": (dict(opd_estimator="full", opd_dense_coef=0.0), "Nothing to learn from"),
+}
+
+
+@pytest.mark.parametrize("overrides, message", OPTIONS_THAT_DO_NOTHING.values(), ids=OPTIONS_THAT_DO_NOTHING.keys())
+def test_an_option_the_configuration_would_ignore_is_refused(tiny, prompts, make_config, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                   args=make_config(**overrides))
+
+
+def test_importance_sampling_with_summed_advantages_is_refused(tiny, prompts, make_config):
+    with pytest.raises(ValueError, match="opd_reward_combination='loss'"):
+        OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                   reward_funcs=[_digits_reward],
+                   args=make_config(num_generations=2, opd_reward_combination="advantage",
+                                    opd_objective="importance_sampling"))

@@ -98,6 +98,13 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
         )
     if args.teachers:
         check_routes(datasets, args)
+    check_options_apply(args, has_rewards=bool(reward_funcs))
+    if args.opd_estimator != "sampled" and (args.fsdp or args.distributed_state.distributed_type == "FSDP"):
+        raise NotImplementedError(
+            f"opd_estimator={args.opd_estimator!r} under FSDP is not supported: the dense terms read the LM head's "
+            "weights outside the model's forward, where FSDP keeps them sharded. Use DeepSpeed ZeRO-3 with "
+            "opd_estimator='sampled', or a single process or DDP with the dense estimators."
+        )
     if args.opd_estimator != "sampled" and args.distributed_state.distributed_type == "DEEPSPEED":
         raise NotImplementedError(
             f"opd_estimator={args.opd_estimator!r} under DeepSpeed is not supported yet: ZeRO-3 only reduces the LM "
@@ -107,6 +114,38 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
         raise ValueError(
             "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
             f"set num_generations >= 2 (got {args.num_generations})."
+        )
+
+
+def check_options_apply(args, *, has_rewards: bool) -> None:
+    """Every OPD option set must act on this configuration: a run that ignores one, or has no signal to learn from,
+    is refused before anything loads, never trained with healthy-looking metrics."""
+    sampled_term = args.opd_coef != 0.0
+    dense_term = args.opd_estimator != "sampled" and args.opd_dense_coef != 0.0
+    if not (sampled_term or dense_term or has_rewards):
+        raise ValueError(
+            f"Nothing to learn from: opd_coef is 0 (no sampled-token term) and opd_estimator={args.opd_estimator!r} "
+            f"{'has no dense term' if args.opd_estimator == 'sampled' else 'has opd_dense_coef 0'}, with no reward "
+            "functions. Set opd_coef > 0, or a dense estimator ('topk', 'full') with opd_dense_coef > 0."
+        )
+    if not sampled_term:
+        for option, active in (("opd_objective='importance_sampling'", args.opd_objective == "importance_sampling"),
+                               (f"kl_discount_factor={args.kl_discount_factor}", args.kl_discount_factor > 0.0)):
+            if active:
+                raise ValueError(
+                    f"{option} shapes the sampled-token term, which opd_coef=0 switches off (the default with "
+                    f"opd_estimator={args.opd_estimator!r}). Set opd_coef > 0 to add that term, or remove the option."
+                )
+    if not has_rewards and args.opd_loss_coef != 1.0:
+        raise ValueError(
+            f"opd_loss_coef={args.opd_loss_coef} weighs the teacher against reward functions, and there are none: the "
+            "teacher is the whole objective. Scale it with opd_coef / opd_dense_coef, or add reward_funcs."
+        )
+    if has_rewards and args.opd_objective == "importance_sampling" and args.opd_reward_combination == "advantage":
+        raise ValueError(
+            "opd_objective='importance_sampling' unclips the teacher's objective only, and with "
+            "opd_reward_combination='advantage' the reward and teacher advantages share one clipped objective. Use "
+            "opd_reward_combination='loss' (GRPO's clipped loss for the rewards, the unclipped one for the teacher)."
         )
 
 

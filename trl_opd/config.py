@@ -161,8 +161,8 @@ class OPDConfig(GRPOConfig):
     teacher_temperature: float = field(
         default=1.0,
         metadata={
-            "help": "Temperature the teacher's logits are divided by before its log-probs are taken; independent of "
-            "the student's sampling `temperature`. Local teachers only."
+            "help": "Temperature the teacher's logits are divided by before its log-probs are taken, in every "
+            "estimator; the student's side is always divided by its sampling `temperature`. Local teachers only."
         },
     )
     teacher_system_prompt: str | None = field(
@@ -183,7 +183,8 @@ class OPDConfig(GRPOConfig):
         default=1.0,
         metadata={
             "help": "With reward functions: lambda in `L = L_RL + lambda * L_OPD` (opd_reward_combination='loss'), "
-            "or in `A = A_reward + lambda * A_teacher` (opd_reward_combination='advantage'). 0 trains on rewards only."
+            "or in `A = A_reward + lambda * A_teacher` (opd_reward_combination='advantage'). It scales the whole "
+            "teacher signal, dense term included: 0 trains on rewards only, exactly as GRPO."
         },
     )
     opd_reward_combination: str = field(
@@ -203,19 +204,36 @@ class OPDConfig(GRPOConfig):
         },
     )
 
-    def resolve_estimator(self, teacher_model=None) -> None:
-        """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known:
-        `teacher_model` is what the trainer was given, if anything."""
+    def teacher_source(self, teacher_model=None) -> str | None:
+        """Where the teacher's scores come from, whichever way it was named: 'local', 'served', 'reference',
+        'student_base' or 'routed'; None while no source is known. `teacher_model` is what the trainer was given."""
         from .teachers.vllm_server import is_served
 
+        if self.ref_as_teacher:
+            return "reference"
+        if self.teacher_is_student_base:
+            return "student_base"
+        if self.teachers:
+            return "routed"
+        named = self.teacher_model_name_or_path if teacher_model is None else teacher_model
+        if self.teacher_server_url or is_served(named):
+            return "served"
+        if teacher_model is not None or self.teacher_model_name_or_path:
+            return "local"
+        return None
+
+    def resolve_estimator(self, teacher_model=None) -> None:
+        """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known, and
+        refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""
+        source = self.teacher_source(teacher_model)
         if self.opd_estimator is None:
-            if (self.ref_as_teacher or self.teacher_is_student_base or self.teachers
-                    or self.distributed_state.distributed_type == "DEEPSPEED"):
-                self.opd_estimator = "sampled"
-            elif self.teacher_server_url or is_served(teacher_model):
+            if source == "local" and self.distributed_state.distributed_type != "DEEPSPEED":
+                self.opd_estimator = "full"
+            elif source == "served":
                 self.opd_estimator = "topk"
             else:
-                self.opd_estimator = "full"
+                self.opd_estimator = "sampled"
+        _check_estimator_source(self.opd_estimator, source)
         if self.opd_coef is None:
             self.opd_coef = 1.0 if self.opd_estimator == "sampled" else 0.0
 
@@ -257,18 +275,7 @@ class OPDConfig(GRPOConfig):
             raise ValueError("Set teacher_system_prompt or teacher_prompt_column, not both.")
         if self.opd_estimator is not None and self.opd_estimator not in OPD_ESTIMATORS:
             raise ValueError(f"opd_estimator must be one of {OPD_ESTIMATORS}, got {self.opd_estimator!r}.")
-        if self.opd_estimator == "full" and (self.teacher_server_url or self.ref_as_teacher
-                                             or self.teacher_is_student_base or self.teachers):
-            raise ValueError(
-                "opd_estimator='full' needs the teacher's hidden states: it works with one local teacher model "
-                "(teacher_model_name_or_path), not with served, reference, student-base or routed teachers. "
-                "opd_estimator='topk' works with a served teacher."
-            )
-        if self.opd_estimator == "topk" and (self.ref_as_teacher or self.teacher_is_student_base or self.teachers):
-            raise ValueError(
-                "opd_estimator='topk' needs one teacher model, local (teacher_model_name_or_path) or served "
-                "(teacher_server_url), not reference, student-base or routed teachers."
-            )
+        _check_estimator_source(self.opd_estimator, self.teacher_source())
         if self.opd_topk < 1:
             raise ValueError(f"opd_topk must be at least 1, got {self.opd_topk}.")
         if self.opd_reward_combination not in REWARD_COMBINATIONS:
@@ -279,3 +286,27 @@ class OPDConfig(GRPOConfig):
             raise ValueError(f"teacher_temperature must be positive, got {self.teacher_temperature}.")
         if self.teacher_batch_size is not None and self.teacher_batch_size < 1:
             raise ValueError(f"teacher_batch_size must be a positive integer, got {self.teacher_batch_size}.")
+
+
+# The teacher sources that can provide each dense estimator's teacher side
+_ESTIMATOR_SOURCES = {
+    "full": ("local",),  # the teacher's final hidden states, kept from its scoring pass
+    "topk": ("local", "served"),  # the teacher's top-k tokens and log-probs at every position
+}
+
+
+def _check_estimator_source(estimator: str | None, source: str | None) -> None:
+    if estimator not in _ESTIMATOR_SOURCES or source is None or source in _ESTIMATOR_SOURCES[estimator]:
+        return
+    named = {"served": "a served teacher (a server URL)", "reference": "ref_as_teacher",
+             "student_base": "teacher_is_student_base", "routed": "routed teachers (teachers)"}[source]
+    if estimator == "full":
+        raise ValueError(
+            f"opd_estimator='full' needs the teacher's hidden states, which only one local teacher model provides "
+            f"(teacher_model_name_or_path, or a model or path as teacher_model), not {named}. "
+            + ("opd_estimator='topk' works with a served teacher." if source == "served"
+               else "Use opd_estimator='sampled'.")
+        )
+    raise ValueError(
+        f"opd_estimator='topk' needs one teacher model, local or served, not {named}. Use opd_estimator='sampled'."
+    )

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from accelerate.utils import is_peft_model
 
-from .loss import dense_reverse_kl, dense_topk_reverse_kl, head_token_logps_and_entropy
+from .heads import OutputHead, head_token_logps_and_entropy
+from .loss import dense_reverse_kl, dense_topk_reverse_kl
 from .teachers.base import TeacherScores
 
 # inputs that GRPO's loss forward passes to a vision-language student: the lean path leaves those to GRPO
@@ -25,8 +26,9 @@ _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", 
 class DenseLossMixin:
     """Mixed into OPDTrainer before GRPOTrainer; `_policy_loss` is the trainer's."""
 
-    @staticmethod
-    def _keep_dense_inputs(output, scores: TeacherScores) -> None:
+    def _keep_dense_inputs(self, output, scores: TeacherScores) -> None:
+        if self._dense_weight == 0.0:
+            return  # the teacher is switched off (opd_loss_coef 0 beside rewards): no dense term, nothing to keep
         if scores.hidden is not None:
             output["teacher_hidden_states"] = scores.hidden  # (B, T, H_teacher), for the full estimator's term
         if scores.topk_ids is not None:
@@ -49,7 +51,7 @@ class DenseLossMixin:
                 loss = self._policy_loss(model, inputs)
         finally:
             hook.remove()
-        dense = self.args.opd_dense_coef * self._dense_loss(inputs, hidden[0], student)
+        dense = self._dense_weight * self._dense_loss(inputs, hidden[0], student)
         if lean:
             self._log_lean_forward_metrics(inputs, hidden[0], student)
             return dense
@@ -65,15 +67,23 @@ class DenseLossMixin:
         log-probs, which on-policy are the old ones) and the student's `entropy`, over the distilled tokens."""
         completion_ids, mask = inputs["completion_ids"], inputs["action_mask"]
         hidden = student_hidden[:, -completion_ids.size(1) - 1 : -1].detach()
-        head = student.get_output_embeddings()
         logps, entropy = head_token_logps_and_entropy(
-            hidden.reshape(-1, hidden.size(-1)), head.weight, completion_ids.reshape(-1), head_bias=head.bias,
-            temperature=self.temperature,
+            hidden.reshape(-1, hidden.size(-1)), self._student_head(student), completion_ids.reshape(-1)
         )
         self._log_deferred_metrics(inputs, logps.view_as(completion_ids))
         mode = "train" if self.model.training else "eval"
         mean_entropy = (entropy.view_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
         self._metrics[mode]["entropy"].append(self.accelerator.gather(mean_entropy).nanmean().item())
+
+    @property
+    def _dense_weight(self) -> float:
+        """The dense term's weight: `opd_dense_coef`, times `opd_loss_coef` when rewards are mixed in, so that one
+        coefficient scales (or, at 0, switches off) the whole teacher signal."""
+        return self.args.opd_dense_coef * (self.args.opd_loss_coef if self.reward_funcs else 1.0)
+
+    def _student_head(self, student) -> OutputHead:
+        """The student's LM head at the sampling temperature: the policy that sampled, as GRPO's log-probs are."""
+        return OutputHead.of(student, temperature=self.temperature)
 
     def _student_causal_lm(self):
         unwrapped = self.accelerator.unwrap_model(self.model)
@@ -86,18 +96,16 @@ class DenseLossMixin:
         mode = "train" if self.model.training else "eval"
         num_completion = inputs["completion_ids"].size(1)
         mask = inputs["action_mask"]  # the tokens the student sampled (see multiturn.action_mask)
-        student_hidden, student_head = student_hidden[:, -num_completion - 1 : -1], student.get_output_embeddings()
+        student_hidden, student_head = student_hidden[:, -num_completion - 1 : -1], self._student_head(student)
         if "teacher_topk_ids" in inputs:
             name = "opd/reverse_kl_topk"
             per_token = dense_topk_reverse_kl(
-                student_hidden, student_head.weight, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask,
-                student_head_bias=student_head.bias,
+                student_hidden, student_head, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask
             )  # (B, T)
         else:
-            name, teacher_head = "opd/reverse_kl_dense", self.teacher.causal_lm.get_output_embeddings()
+            name = "opd/reverse_kl_dense"
             per_token = dense_reverse_kl(
-                student_hidden, student_head.weight, inputs["teacher_hidden_states"], teacher_head.weight, mask,
-                student_head_bias=student_head.bias, teacher_head_bias=teacher_head.bias,
+                student_hidden, student_head, inputs["teacher_hidden_states"], self.teacher.output_head, mask
             )  # (B, T)
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":

@@ -95,9 +95,6 @@ class OPDMetricsMixin:
         # multi-turn: the share of completion tokens that are the student's actions (1.0 when single-turn)
         self._metrics[mode]["opd/action_token_fraction"].append(num_tokens / max(num_completion_tokens, 1.0))
         self._metrics[mode]["data/completion_tokens_mean"].append(num_tokens / max(num_sequences, 1.0))
-        if mode == "train":
-            self._completion_tokens_total += num_tokens
-            self._window_tokens += num_tokens
 
         if completions_table and not self.reward_funcs:
             # GRPO filled the completions table with this batch's (zero) reward advantages: show the teacher's
@@ -107,6 +104,13 @@ class OPDMetricsMixin:
             for _ in range(min(len(gathered), len(self._logs["advantages"]))):
                 self._logs["advantages"].pop()
             self._logs["advantages"].extend(gathered)
+
+    def _count_completion_tokens(self, mask) -> None:
+        """Add a training generation batch's sampled tokens, all processes, to `data/completion_tokens_*`: once per
+        generation batch, however many times its micro-batches are trained on (`num_iterations`)."""
+        num_tokens = int(self.accelerator.reduce(mask.sum().float(), reduction="sum").item())
+        self._completion_tokens_total += num_tokens
+        self._window_tokens += num_tokens
 
     def _log_accuracy(self, inputs, prompts, completions, completion_ids_list) -> None:
         """`accuracy`: the mean of `accuracy_func` (a GRPO reward function: 1 correct, 0 wrong, None to skip) over the

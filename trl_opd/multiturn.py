@@ -29,13 +29,19 @@ def action_mask(inputs: list[dict], completion_mask: torch.Tensor, tool_mask: to
         if given is None:
             continue
         length = int(completion_mask[i].sum())
-        if len(given) != length:
+        # GRPO zeroes the whole mask of a truncated completion (`mask_truncated_completions`): its length is unknown
+        # here, only that it fits the batch, and it stays masked out
+        masked_out = length == 0
+        if (len(given) > completion_mask.size(1)) if masked_out else (len(given) != length):
             raise ValueError(
-                f"Row {i}: the rollout's action_mask has {len(given)} entries but its completion has {length} tokens. "
-                "Return one 0/1 per completion token: 1 where the student sampled the token, 0 elsewhere."
+                f"Row {i}: the rollout's action_mask has {len(given)} entries but its completion has "
+                f"{length if not masked_out else f'at most {completion_mask.size(1)}'} tokens. Return one 0/1 per "
+                "completion token: 1 where the student sampled the token, 0 elsewhere."
             )
+        if masked_out:
+            mask[i] = 0
+            continue
         mask[i, :length] = torch.as_tensor(given, dtype=mask.dtype, device=mask.device)
-        mask[i] *= completion_mask[i]  # a truncated completion that GRPO masked out stays masked out
     return mask
 
 

@@ -22,7 +22,7 @@ from .checkpoints import resolve_resume
 from .checks import check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
-from .loss import opd_advantages
+from .loss import opd_advantages, shared_temperature
 from .metrics import OPDMetricsMixin, wrapped_logps_call
 from .multiturn import action_mask
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
@@ -133,9 +133,6 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
             self.reward_func_names = [self.reward_func_names[i] for i in keep]
             self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
             self.reward_weights = self.reward_weights[keep]
-        if args.opd_objective == "importance_sampling":
-            # clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly
-            self.epsilon_low, self.epsilon_high = 1.0, float("inf")
 
         self.accuracy_func = accuracy_func
         self.teacher = self._build_scorer(teachers)
@@ -168,9 +165,12 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
                 return_hidden=args.opd_estimator == "full",
                 topk=args.opd_topk if args.opd_estimator == "topk" else 0,
                 temperature=args.teacher_temperature,
+                student_vocab_size=self._student_causal_lm().config.get_text_config().vocab_size,
             ) if name in self.teacher_models else teacher
             for name, teacher in teachers.items()
         }
+        if args.opd_estimator == "full":  # refuse a pair of temperatures the kernel cannot apply, before training
+            shared_temperature(self._student_head(self._student_causal_lm()), scorers["teacher"].output_head)
         return RoutedTeacher(scorers) if args.teachers else scorers["teacher"]
 
     def _prepare_teacher(self, teacher: torch.nn.Module) -> torch.nn.Module:
@@ -211,6 +211,10 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         # GRPO gathers rewards across processes: an empty (global batch, 0) tensor yields zero reward advantages
         return torch.zeros(len(prompts) * self.accelerator.num_processes, 0, device=self.accelerator.device)
 
+    def _generate(self, prompts: list):
+        self._student_prompts = prompts  # as the student saw them: an environment's reset() observation included
+        return super()._generate(prompts)
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
@@ -220,7 +224,10 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
 
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         mask = self._action_mask(inputs, output)  # (B, T)
+        if mode == "train":
+            self._count_completion_tokens(mask)
         scores = self._score_with_teacher(inputs, output)
+        self._check_estimator_inputs(scores)
         if output.get("old_per_token_logps") is None and self.args.opd_coef == 0.0 and not self.reward_funcs:
             # A dense term alone: the advantage is 0 whatever the old log-probs, and on-policy they are the loss
             # forward's own, so the metrics that need them are logged from that forward (no extra student forward)
@@ -258,8 +265,20 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         return mask
 
+    def _check_estimator_inputs(self, scores: TeacherScores) -> None:
+        """The teacher side of a dense estimator must have come back: never a run whose dense term silently vanishes.
+        (The start-up checks refuse such a source; this guards a scorer that does not keep its promise.)"""
+        estimator = self.args.opd_estimator
+        missing = (estimator == "full" and scores.hidden is None) or (estimator == "topk" and scores.topk_ids is None)
+        if missing:
+            raise RuntimeError(
+                f"opd_estimator={estimator!r}: the teacher ({type(self.teacher).__name__}) returned no "
+                f"{'hidden states' if estimator == 'full' else 'top-k tokens'}, so the dense term cannot be formed."
+            )
+
     def _score_with_teacher(self, inputs, output) -> TeacherScores:
-        if self.args.ref_as_teacher and "ref_per_token_logps" in output:
+        own_prompt = self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None
+        if self.args.ref_as_teacher and own_prompt and "ref_per_token_logps" in output:
             return TeacherScores(logps=output["ref_per_token_logps"])  # GRPO already computed them for its KL term
         prompt_ids, prompt_mask = self._teacher_prompts(inputs, output)
         batch = (prompt_ids, prompt_mask, output["completion_ids"], output["completion_mask"])
@@ -272,12 +291,32 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         column, system = self.args.teacher_prompt_column, self.args.teacher_system_prompt
         if column is None and system is None:
             return output["prompt_ids"], output["prompt_mask"]
-        prompts = [row[column] if column else _with_system_message(row["prompt"], system) for row in inputs]
+        student_prompts = self._student_prompts  # with any observation an environment's reset() appended
+        if self.rollout_func is not None:
+            self._check_rollout_prompts(student_prompts, output)
+        if column:
+            prompts = [_with_observation(row[column], _observation(row["prompt"], seen))
+                       for row, seen in zip(inputs, student_prompts, strict=True)]
+        else:
+            prompts = [_with_system_message(seen, system) for seen in student_prompts]
         prompt_ids = [torch.tensor(ids) for ids in self._tokenize_prompts(prompts)[0]]
         device = output["prompt_ids"].device
         padded = pad(prompt_ids, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
         mask = pad([torch.ones_like(ids) for ids in prompt_ids], padding_value=0, padding_side="left").to(device)
         return padded, mask
+
+    def _check_rollout_prompts(self, student_prompts, output) -> None:
+        """A teacher-only prompt is rendered by the trainer's chat template; that only adds the teacher's context if
+        the rollout function rendered the student's prompt the same way. Refuse rather than compare two renderings."""
+        rendered = self._tokenize_prompts(student_prompts)[0]
+        for i, (ids, ids_mask) in enumerate(zip(output["prompt_ids"], output["prompt_mask"], strict=True)):
+            if ids[ids_mask.bool()].tolist() != list(rendered[i]):
+                raise ValueError(
+                    f"Row {i}: the rollout function's prompt_ids are not the student's prompt as the trainer's chat "
+                    "template renders it, so the teacher-only prompt (teacher_system_prompt / teacher_prompt_column) "
+                    "cannot be rendered to match. Render prompts with the trainer's processing class and chat "
+                    "template in the rollout function, or put the teacher's context in the rollout's own prompt."
+                )
 
     def _student_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         """log pi_old of the sampled tokens, when GRPO did not already compute them (on-policy, no vLLM)."""
@@ -305,18 +344,35 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
             return self._dense_and_policy_loss(model, inputs)
 
     def _policy_loss(self, model, inputs):
-        if "teacher_advantages" not in inputs:  # teacher only, or advantages already summed
-            return super()._compute_loss(model, inputs)
+        if "teacher_advantages" not in inputs:  # teacher only (the OPD objective), or rewards' advantages summed
+            with self._opd_objective(enabled=not self.reward_funcs):
+                return super()._compute_loss(model, inputs)
         mode = "train" if self.model.training else "eval"
         with self._one_student_forward():
             rl_loss = super()._compute_loss(model, inputs)
             if self.args.opd_loss_coef == 0.0:
                 return rl_loss
-            with self._policy_term_only(mode):
+            with self._policy_term_only(mode), self._opd_objective():
                 opd_loss = super()._compute_loss(model, {**inputs, "advantages": inputs["teacher_advantages"]})
-        self._metrics[mode]["rl/loss"].append(self.accelerator.gather(rl_loss.detach()).mean().item())
-        self._metrics[mode]["opd/loss"].append(self.accelerator.gather(opd_loss.detach()).mean().item())
+        # GRPO's loss is divided for gradient accumulation; the metrics are on the scale of the logged `loss`
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        for name, value in (("rl/loss", rl_loss), ("opd/loss", opd_loss)):
+            self._metrics[mode][name].append(self.accelerator.gather(value.detach()).mean().item() * accumulation)
         return rl_loss + self.args.opd_loss_coef * opd_loss
+
+    @contextmanager
+    def _opd_objective(self, enabled: bool = True):
+        """Within the block, GRPO's objective is the OPD one: unclipped with `opd_objective: importance_sampling`
+        (clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly)."""
+        if not enabled or self.args.opd_objective != "importance_sampling":
+            yield
+            return
+        saved = self.epsilon_low, self.epsilon_high
+        self.epsilon_low, self.epsilon_high = 1.0, float("inf")
+        try:
+            yield
+        finally:
+            self.epsilon_low, self.epsilon_high = saved
 
     @contextmanager
     def _one_student_forward(self):
@@ -350,6 +406,29 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
                 del self._metrics[mode][name][lengths.get(name, 0):]
                 if name.startswith("clip_ratio/"):
                     self._metrics[mode][f"opd/{name}"].extend(added)
+
+
+def _observation(prompt, seen):
+    """What an environment's `reset()` appended to the last message of `prompt` (GRPO appends it there) to give the
+    prompt the student `seen`; None when nothing was appended."""
+    if seen == prompt or isinstance(prompt, str):
+        return None
+    before, after = prompt[-1]["content"], seen[-1]["content"]
+    if isinstance(after, list) and isinstance(before, str):
+        before = [{"type": "text", "text": before}]
+    return after[len(before):]
+
+
+def _with_observation(prompt, observation):
+    """`prompt` with `observation` appended to its last message's content, as GRPO appends a `reset()` observation."""
+    if not observation:
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
 
 
 def _with_system_message(prompt, system: str):

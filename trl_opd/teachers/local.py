@@ -6,14 +6,19 @@ the label, entropy, whether the label is the argmax), so no (batch, tokens, voca
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
 
-from ..loss import head_topk_logps
+from ..heads import OutputHead, head_mass_beyond, head_topk_logps
 from .base import TeacherScores
+
+logger = logging.getLogger(__name__)
+# Teacher probability on ids a smaller student cannot write, above which the dense terms' renormalisation is reported
+OUTSIDE_MASS_WARNING = 1e-3
 
 TEACHER_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
@@ -39,6 +44,7 @@ class LocalTeacher:
         return_hidden: bool = False,
         topk: int = 0,
         temperature: float = 1.0,
+        student_vocab_size: int | None = None,
     ):
         self.model = model
         self.batch_size = batch_size
@@ -46,6 +52,10 @@ class LocalTeacher:
         self.return_hidden = return_hidden  # keep the final hidden states too (the full estimator needs them)
         self.topk = topk  # also return the k most likely tokens at each position (the topk estimator)
         self.temperature = temperature  # the temperature the fused head was given by `freeze_teacher`
+        # the dense terms compare the two models over the student's ids; a teacher's extra rows (a larger vocabulary)
+        # are left out: 'full' renormalises the teacher over the student's ids, 'topk' puts their mass in the tail
+        self.student_vocab_size = student_vocab_size
+        self._warned_outside_mass = False
 
     @property
     def causal_lm(self) -> torch.nn.Module:
@@ -90,12 +100,34 @@ class LocalTeacher:
             scores.hidden = hidden if self.return_hidden else None
             if self.topk:
                 scores.topk_ids, scores.topk_logps = self._topk(hidden)
+            self._check_outside_mass(hidden, completion_ids, completion_mask, scores.logps)
         return scores
+
+    def _check_outside_mass(self, hidden, completion_ids, completion_mask, logps) -> None:
+        """Warn once if the teacher puts real probability on ids the student cannot write, which the dense terms
+        leave out; untrained padding rows (e.g. 152,064 against 151,936) carry none."""
+        extra_rows = self.output_head.weight.size(0) - (self.student_vocab_size or 0)
+        if self._warned_outside_mass or not self.student_vocab_size or extra_rows <= 0:
+            return
+        valid = completion_mask.bool()
+        mass = head_mass_beyond(hidden[valid], self.output_head, completion_ids[valid], logps[valid],
+                                vocab_size=self.student_vocab_size)
+        if mass.numel() and mass.max() > OUTSIDE_MASS_WARNING:
+            self._warned_outside_mass = True
+            logger.warning(
+                "The teacher puts up to %.3g of its probability (mean %.3g) on its %d token ids beyond the student's "
+                "vocabulary of %d. The dense terms compare the two over the student's ids only: 'full' renormalises "
+                "the teacher over them, 'topk' counts that mass in its tail bucket.", mass.max().item(),
+                mass.mean().item(), extra_rows, self.student_vocab_size,
+            )
+
+    @property
+    def output_head(self) -> OutputHead:
+        """The teacher's LM head with its logit transform, at `teacher_temperature`."""
+        return OutputHead.of(self.causal_lm, temperature=self.temperature)
 
     def _topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely tokens and their log-probs at each position, (B, T, k) each, projected in tiles."""
-        head = self.causal_lm.get_output_embeddings()
-        ids, logps = head_topk_logps(
-            hidden.flatten(0, 1), head.weight, head_bias=head.bias, k=self.topk, temperature=self.temperature
-        )
+        ids, logps = head_topk_logps(hidden.flatten(0, 1), self.output_head, k=self.topk,
+                                     vocab_size=self.student_vocab_size)
         return ids.view(*hidden.shape[:2], -1), logps.view(*hidden.shape[:2], -1)
