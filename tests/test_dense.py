@@ -300,13 +300,14 @@ def _exact_kl_of_each_batch(trainer):
 
 
 @pytest.mark.parametrize("estimator", ["full", "topk"])
-def test_dense_loss_is_the_kl_of_the_sampling_student_and_the_tempered_teacher(tiny, prompts, make_config, estimator):
+def test_dense_loss_is_the_kl_of_the_sampling_student_and_the_tempered_teacher(tiny, tokenizer, prompts, make_config,
+                                                                              estimator):
     # the rule: the student side is divided by the sampling `temperature` (the policy that sampled), the teacher side
     # by `teacher_temperature`; with k = the whole vocabulary the top-k term is the full KL. (Old main: the full term
     # ran both at temperature 1, the same loss at teacher temperature 1 and 0.5.)
     trainer = OPDTrainer(
         model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
-        args=make_config(opd_estimator=estimator, opd_topk=len(trainer_tokenizer(tiny)), max_steps=1,
+        args=make_config(opd_estimator=estimator, opd_topk=len(tokenizer), max_steps=1,
                          temperature=0.7, teacher_temperature=0.5),
     )
     kls = _exact_kl_of_each_batch(trainer)
@@ -319,18 +320,12 @@ def test_dense_loss_is_the_kl_of_the_sampling_student_and_the_tempered_teacher(t
     assert first["loss"] == pytest.approx(expected, rel=1e-4)  # the dense term alone, dapo-normalised
 
 
-def trainer_tokenizer(tiny):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny / "student")
-
-
 @pytest.fixture(scope="module")
-def softcapped_pair(tiny, tmp_path_factory):
+def softcapped_pair(tokenizer, tmp_path_factory):
     """A tiny Gemma-2 student and teacher over the tiny tokenizer, LM heads scaled up so the soft cap (5) acts."""
     from transformers import AutoModelForCausalLM, Gemma2Config
 
-    tokenizer, root = trainer_tokenizer(tiny), tmp_path_factory.mktemp("gemma2")
+    root = tmp_path_factory.mktemp("gemma2")
     for name, seed in (("student", 0), ("teacher", 1)):
         torch.manual_seed(seed)
         config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -348,12 +343,12 @@ def softcapped_pair(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("estimator", ["full", "topk"])
-def test_soft_capped_models_are_distilled_on_their_own_distributions(tiny, softcapped_pair, prompts, make_config,
-                                                                     estimator):
+def test_soft_capped_models_are_distilled_on_their_own_distributions(tokenizer, softcapped_pair, prompts,
+                                                                     make_config, estimator):
     # (old main projected with the bare LM-head weight: a KL of ~0 here, and token log-probs off by tens of nats)
     trainer = OPDTrainer(
         model=str(softcapped_pair / "student"), teacher_model=str(softcapped_pair / "teacher"), train_dataset=prompts,
-        args=make_config(opd_estimator=estimator, opd_topk=len(trainer_tokenizer(tiny)), max_steps=1),
+        args=make_config(opd_estimator=estimator, opd_topk=len(tokenizer), max_steps=1),
     )
     kls = _exact_kl_of_each_batch(trainer)
     logps, original = [], trainer._log_deferred_metrics

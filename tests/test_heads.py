@@ -8,8 +8,11 @@ from trl_opd.loss import dense_reverse_kl, dense_topk_reverse_kl
 
 
 def _logps(hidden, head: OutputHead):
-    """The head's log-probs written out: scale, soft cap, temperature, softmax, in float64."""
-    z = (hidden.double() @ head.weight.double().T) * head.scale
+    """The head's log-probs written out: bias, scale, soft cap, temperature, softmax, in float64."""
+    z = hidden.double() @ head.weight.double().T
+    if head.bias is not None:
+        z = z + head.bias.double()
+    z = z * head.scale
     if head.softcap is not None:
         z = head.softcap * torch.tanh(z / head.softcap)
     return (z / head.temperature).log_softmax(-1)
@@ -61,7 +64,7 @@ def test_token_logps_and_entropy_follow_the_transform():
     torch.manual_seed(0)
     hidden, head = torch.randn(6, 16), OutputHead(torch.randn(50, 16), torch.randn(50), 3.0, 4.0, 0.6)
     ids = torch.randint(50, (6,))
-    expected = _logps_with_bias(hidden, head)
+    expected = _logps(hidden, head)
     logps, entropy = head_token_logps_and_entropy(hidden, head, ids, tile_elements=100)
     torch.testing.assert_close(logps.double(), expected.gather(-1, ids[:, None])[:, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy.double(), -(expected.exp() * expected).sum(-1), atol=1e-5, rtol=1e-5)
@@ -100,14 +103,10 @@ def test_output_head_of_a_model_gives_its_own_forwards_logits(family):
 def test_mass_beyond_a_smaller_vocabulary_is_the_softmax_tail():
     torch.manual_seed(0)
     hidden, head = torch.randn(5, 8), OutputHead(torch.randn(40, 8), torch.randn(40), 2.0, 3.0, 0.9)
-    logps = _logps_with_bias(hidden, head)
+    logps = _logps(hidden, head)
     ids = torch.randint(32, (5,))
     mass = head_mass_beyond(hidden, head, ids, logps.gather(-1, ids[:, None])[:, 0].float(), vocab_size=32)
     torch.testing.assert_close(mass.double(), logps[:, 32:].exp().sum(-1), atol=1e-5, rtol=1e-4)
     top_ids, _ = head_topk_logps(hidden, head, k=3, vocab_size=32)
     assert (top_ids < 32).all()
 
-
-def _logps_with_bias(hidden, head):
-    z = (hidden.double() @ head.weight.double().T + head.bias.double()) * head.scale
-    return (head.softcap * torch.tanh(z / head.softcap) / head.temperature).log_softmax(-1)

@@ -79,7 +79,7 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
     other_sources = args.teacher_server_url or args.ref_as_teacher or args.teacher_is_student_base or args.teachers
     if teacher_model is not None and other_sources:
         raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
-    if teacher_model is None and not args.teacher_model_name_or_path and not other_sources:
+    if args.teacher_source(teacher_model) is None:
         raise ValueError(
             "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set one of "
             "`teacher_model_name_or_path`, `teacher_server_url`, `teachers`, `ref_as_teacher` or "

@@ -34,9 +34,6 @@ class OutputHead:
         return cls(head.weight, head.bias, logit_scale(config), getattr(config, "final_logit_softcapping", None),
                    temperature)
 
-    def at(self, temperature: float) -> OutputHead:
-        return replace(self, temperature=temperature)
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Transformed float32 logits (N, V) of hidden states (N, H)."""
         return self.transform(torch.nn.functional.linear(hidden, self.weight, self.bias).float())

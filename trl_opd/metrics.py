@@ -105,10 +105,9 @@ class OPDMetricsMixin:
                 self._logs["advantages"].pop()
             self._logs["advantages"].extend(gathered)
 
-    def _count_completion_tokens(self, mask) -> None:
+    def _count_completion_tokens(self, num_tokens: int) -> None:
         """Add a training generation batch's sampled tokens, all processes, to `data/completion_tokens_*`: once per
         generation batch, however many times its micro-batches are trained on (`num_iterations`)."""
-        num_tokens = int(self.accelerator.reduce(mask.sum().float(), reduction="sum").item())
         self._completion_tokens_total += num_tokens
         self._window_tokens += num_tokens
 

@@ -48,7 +48,7 @@ def _render(tokenizer, prompt) -> str:
 def check(script_args, training_args, model_args, *, echo=print) -> dict:
     """Run the preflight and print a report; returns it, with `ok` False if the reference KL is not zero."""
     from .cli import load_prompts
-    from .trainer import _with_system_message
+    from .prompts import teacher_prompt
 
     dataset = load_prompts(script_args, script_args.dataset_train_split)
     scratch = tempfile.mkdtemp(prefix="trl-opd-check-")
@@ -63,15 +63,13 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     teacher, trainer, output = _one_batch_metrics(script_args, teacher_args, model_args, rows)
 
     prompt = rows[0]["prompt"]
-    teacher_prompt = rows[0][training_args.teacher_prompt_column] if training_args.teacher_prompt_column else (
-        _with_system_message(prompt, training_args.teacher_system_prompt) if training_args.teacher_system_prompt
-        else prompt
-    )
+    shown_to_teacher = teacher_prompt(rows[0], prompt, column=training_args.teacher_prompt_column,
+                                      system=training_args.teacher_system_prompt)
     student_tokenizer = trainer.processing_class
     teacher_name = training_args.teacher_model_name_or_path
     teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_name) if teacher_name else student_tokenizer
     echo(f"first prompt, student's chat template: {_render(student_tokenizer, prompt)!r}")
-    echo(f"first prompt, teacher's chat template: {_render(teacher_tokenizer, teacher_prompt)!r}")
+    echo(f"first prompt, teacher's chat template: {_render(teacher_tokenizer, shown_to_teacher)!r}")
     echo("  (the teacher scores the student's rendering of its own prompt, token for token; a different template "
          "here means the teacher's own format differs from what it will see)")
 

@@ -25,6 +25,7 @@ from .dense import DenseLossMixin
 from .loss import opd_advantages, shared_temperature
 from .metrics import OPDMetricsMixin, wrapped_logps_call
 from .multiturn import action_mask
+from .prompts import teacher_prompt
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.loading import load_teachers
 from .teachers.local import freeze_teacher
@@ -157,6 +158,7 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         self.teacher_model = self.teacher_models.get("teacher")
         if args.ref_as_teacher or args.teacher_is_student_base:
             return ReferenceTeacher(self._reference_logps)
+        student_vocab_size = self._student_causal_lm().config.get_text_config().vocab_size
         scorers = {
             name: LocalTeacher(
                 self.teacher_models[name],
@@ -165,7 +167,7 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
                 return_hidden=args.opd_estimator == "full",
                 topk=args.opd_topk if args.opd_estimator == "topk" else 0,
                 temperature=args.teacher_temperature,
-                student_vocab_size=self._student_causal_lm().config.get_text_config().vocab_size,
+                student_vocab_size=student_vocab_size,
             ) if name in self.teacher_models else teacher
             for name, teacher in teachers.items()
         }
@@ -225,9 +227,8 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         mask = self._action_mask(inputs, output)  # (B, T)
         if mode == "train":
-            self._count_completion_tokens(mask)
+            self._count_completion_tokens(int(output["num_items_in_batch"]))  # all processes' action tokens
         scores = self._score_with_teacher(inputs, output)
-        self._check_estimator_inputs(scores)
         if output.get("old_per_token_logps") is None and self.args.opd_coef == 0.0 and not self.reward_funcs:
             # A dense term alone: the advantage is 0 whatever the old log-probs, and on-policy they are the loss
             # forward's own, so the metrics that need them are logged from that forward (no extra student forward)
@@ -265,17 +266,6 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         return mask
 
-    def _check_estimator_inputs(self, scores: TeacherScores) -> None:
-        """The teacher side of a dense estimator must have come back: never a run whose dense term silently vanishes.
-        (The start-up checks refuse such a source; this guards a scorer that does not keep its promise.)"""
-        estimator = self.args.opd_estimator
-        missing = (estimator == "full" and scores.hidden is None) or (estimator == "topk" and scores.topk_ids is None)
-        if missing:
-            raise RuntimeError(
-                f"opd_estimator={estimator!r}: the teacher ({type(self.teacher).__name__}) returned no "
-                f"{'hidden states' if estimator == 'full' else 'top-k tokens'}, so the dense term cannot be formed."
-            )
-
     def _score_with_teacher(self, inputs, output) -> TeacherScores:
         own_prompt = self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None
         if self.args.ref_as_teacher and own_prompt and "ref_per_token_logps" in output:
@@ -294,11 +284,8 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         student_prompts = self._student_prompts  # with any observation an environment's reset() appended
         if self.rollout_func is not None:
             self._check_rollout_prompts(student_prompts, output)
-        if column:
-            prompts = [_with_observation(row[column], _observation(row["prompt"], seen))
-                       for row, seen in zip(inputs, student_prompts, strict=True)]
-        else:
-            prompts = [_with_system_message(seen, system) for seen in student_prompts]
+        prompts = [teacher_prompt(row, seen, column=column, system=system)
+                   for row, seen in zip(inputs, student_prompts, strict=True)]
         prompt_ids = [torch.tensor(ids) for ids in self._tokenize_prompts(prompts)[0]]
         device = output["prompt_ids"].device
         padded = pad(prompt_ids, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
@@ -407,34 +394,3 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
                 if name.startswith("clip_ratio/"):
                     self._metrics[mode][f"opd/{name}"].extend(added)
 
-
-def _observation(prompt, seen):
-    """What an environment's `reset()` appended to the last message of `prompt` (GRPO appends it there) to give the
-    prompt the student `seen`; None when nothing was appended."""
-    if seen == prompt or isinstance(prompt, str):
-        return None
-    before, after = prompt[-1]["content"], seen[-1]["content"]
-    if isinstance(after, list) and isinstance(before, str):
-        before = [{"type": "text", "text": before}]
-    return after[len(before):]
-
-
-def _with_observation(prompt, observation):
-    """`prompt` with `observation` appended to its last message's content, as GRPO appends a `reset()` observation."""
-    if not observation:
-        return prompt
-    content = prompt[-1]["content"]
-    if isinstance(observation, list) and isinstance(content, str):
-        content = [{"type": "text", "text": content}]
-    if isinstance(observation, str) and isinstance(content, list):
-        observation = [{"type": "text", "text": observation}]
-    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
-
-
-def _with_system_message(prompt, system: str):
-    """`prompt` (text or chat messages) with a teacher-only system message in front of it."""
-    if isinstance(prompt, str):
-        return f"{system}\n\n{prompt}"
-    if prompt and prompt[0]["role"] == "system":
-        return [{"role": "system", "content": f"{system}\n\n{prompt[0]['content']}"}, *prompt[1:]]
-    return [{"role": "system", "content": system}, *prompt]

@@ -55,7 +55,7 @@ class LocalTeacher:
         # the dense terms compare the two models over the student's ids; a teacher's extra rows (a larger vocabulary)
         # are left out: 'full' renormalises the teacher over the student's ids, 'topk' puts their mass in the tail
         self.student_vocab_size = student_vocab_size
-        self._warned_outside_mass = False
+        self._checked_outside_mass = False
 
     @property
     def causal_lm(self) -> torch.nn.Module:
@@ -104,16 +104,16 @@ class LocalTeacher:
         return scores
 
     def _check_outside_mass(self, hidden, completion_ids, completion_mask, logps) -> None:
-        """Warn once if the teacher puts real probability on ids the student cannot write, which the dense terms
-        leave out; untrained padding rows (e.g. 152,064 against 151,936) carry none."""
+        """On the first scored batch, warn if the teacher puts real probability on ids the student cannot write,
+        which the dense terms leave out; untrained padding rows (e.g. 152,064 against 151,936) carry none."""
         extra_rows = self.output_head.weight.size(0) - (self.student_vocab_size or 0)
-        if self._warned_outside_mass or not self.student_vocab_size or extra_rows <= 0:
+        if self._checked_outside_mass or not self.student_vocab_size or extra_rows <= 0:
             return
+        self._checked_outside_mass = True
         valid = completion_mask.bool()
         mass = head_mass_beyond(hidden[valid], self.output_head, completion_ids[valid], logps[valid],
                                 vocab_size=self.student_vocab_size)
         if mass.numel() and mass.max() > OUTSIDE_MASS_WARNING:
-            self._warned_outside_mass = True
             logger.warning(
                 "The teacher puts up to %.3g of its probability (mean %.3g) on its %d token ids beyond the student's "
                 "vocabulary of %d. The dense terms compare the two over the student's ids only: 'full' renormalises "
