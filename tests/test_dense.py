@@ -382,12 +382,14 @@ def test_a_teacher_model_given_as_a_url_with_the_full_estimator_is_refused(tiny,
         make_config(opd_estimator="full", teacher_model_name_or_path="http://127.0.0.1:9")
 
 
-def test_dense_estimators_are_refused_under_fsdp(tiny, prompts, make_config):
-    # the dense terms read the LM head's weight outside the forward, where FSDP keeps it sharded
-    args = make_config(opd_estimator="full")
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_fsdp_is_refused_before_any_weights_load_naming_zero3(tmp_path, prompts, make_config, estimator):
+    # a student path that does not exist: the refusal must come first, before anything loads
+    args = make_config(opd_estimator=estimator)
     args.fsdp = ["full_shard"]
-    with pytest.raises(NotImplementedError, match="under FSDP is not supported"):
-        OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts, args=args)
+    with pytest.raises(NotImplementedError, match=r"FSDP is not supported: .* ZeRO-3 .*zero3.yaml"):
+        OPDTrainer(model=str(tmp_path / "missing"), teacher_model=str(tmp_path / "missing-teacher"),
+                   train_dataset=prompts, args=args)
 
 
 def test_a_teacher_with_extra_vocabulary_rows_is_compared_over_the_students_ids(tiny, tokenizer, caplog):

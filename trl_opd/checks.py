@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from accelerate.utils import is_peft_model
 
-from .teachers.vllm_server import is_served
-
 
 def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict[str, str] | None = None) -> None:
     """A prompt dataset must be non-empty and have a `prompt` column (string or chat messages), and each column of
@@ -99,16 +97,11 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
     if args.teachers:
         check_routes(datasets, args)
     check_options_apply(args, has_rewards=bool(reward_funcs))
-    if args.opd_estimator != "sampled" and (args.fsdp or args.distributed_state.distributed_type == "FSDP"):
+    if args.fsdp or args.distributed_state.distributed_type == "FSDP":
         raise NotImplementedError(
-            f"opd_estimator={args.opd_estimator!r} under FSDP is not supported: the dense terms read the LM head's "
-            "weights outside the model's forward, where FSDP keeps them sharded. Use DeepSpeed ZeRO-3 with "
-            "opd_estimator='sampled', or a single process or DDP with the dense estimators."
-        )
-    if args.opd_estimator != "sampled" and args.distributed_state.distributed_type == "DEEPSPEED":
-        raise NotImplementedError(
-            f"opd_estimator={args.opd_estimator!r} under DeepSpeed is not supported yet: ZeRO-3 only reduces the LM "
-            "head's gradient for losses computed inside the model's forward. Use the sampled estimator there."
+            "FSDP is not supported: the dense estimators and sharded teachers are built and tested on DeepSpeed "
+            "ZeRO-3, which shards the student and the teacher across processes and runs every estimator and teacher "
+            "source. Launch with a ZeRO-3 config (recipes/accelerate/zero3.yaml), or use DDP or one process."
         )
     if reward_funcs and args.num_generations < 2:
         raise ValueError(
@@ -151,11 +144,6 @@ def check_options_apply(args, *, has_rewards: bool) -> None:
 
 def check_routes(datasets, args) -> None:
     """Every row must name a configured teacher in the routing column (which `check_prompt_dataset` requires)."""
-    if args.distributed_state.distributed_type == "DEEPSPEED" and not all(map(is_served, args.teachers.values())):
-        raise NotImplementedError(
-            "Routing between local teachers under DeepSpeed is not supported yet: ZeRO-3 needs every rank to run the "
-            "same number of forwards of each teacher. Serve the teachers (`trl-opd serve-teacher`) and route to URLs."
-        )
     column = args.teacher_route_column
     for name, dataset in datasets:
         columns = getattr(dataset, "column_names", None)

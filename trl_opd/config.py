@@ -80,7 +80,7 @@ class OPDConfig(GRPOConfig):
             "vocabulary (one local teacher). Dense terms are computed in tiles; with opd_coef > 0 the sampled term is "
             "added to them. Default: the best one the teacher source supports, as measured (README): 'full' for one "
             "local teacher, 'topk' for a served one, 'sampled' otherwise (reference, student-base and routed "
-            "teachers, and under DeepSpeed).",
+            "teachers).",
             "choices": list(OPD_ESTIMATORS),
         },
     )
@@ -227,7 +227,7 @@ class OPDConfig(GRPOConfig):
         refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""
         source = self.teacher_source(teacher_model)
         if self.opd_estimator is None:
-            if source == "local" and self.distributed_state.distributed_type != "DEEPSPEED":
+            if source == "local":
                 self.opd_estimator = "full"
             elif source == "served":
                 self.opd_estimator = "topk"
@@ -254,6 +254,8 @@ class OPDConfig(GRPOConfig):
             )
         if not 0.0 <= self.kl_discount_factor < 1.0:
             raise ValueError(f"kl_discount_factor must be in [0, 1), got {self.kl_discount_factor}.")
+        if self.teacher_model_name_or_path == "":
+            self.teacher_model_name_or_path = None  # `--teacher_model_name_or_path ""` unsets a recipe's teacher
         if isinstance(self.teacher_server_url, str):
             self.teacher_server_url = [self.teacher_server_url]
         sources = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from accelerate.utils import is_peft_model
+from trl.models.utils import _ForwardRedirection
 
 from .heads import OutputHead, head_token_logps_and_entropy
 from .loss import dense_reverse_kl, dense_topk_reverse_kl
@@ -23,8 +24,20 @@ _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", 
                       "mm_token_type_ids")
 
 
+class _ForwardOnly:
+    """Calls `module.forward` without `module`'s hooks: for a call inside the forward that already ran them."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.module.forward(*args, **kwargs)
+
+
 class DenseLossMixin:
     """Mixed into OPDTrainer before GRPOTrainer; `_policy_loss` is the trainer's."""
+
+    _forward_redirection = _ForwardRedirection()
 
     def _keep_dense_inputs(self, output, scores: TeacherScores) -> None:
         if self._dense_weight == 0.0:
@@ -38,24 +51,31 @@ class DenseLossMixin:
     def _dense_and_policy_loss(self, model, inputs):
         if "teacher_hidden_states" not in inputs and "teacher_topk_ids" not in inputs:
             return self._policy_loss(model, inputs)
+        # The whole loss runs inside the student's forward (TRL's forward redirection, as its distillation trainer
+        # does): DDP then prepares its backward once, and under ZeRO-3 the LM head, which the dense term reads
+        # directly, is gathered on access and stays registered to the model for the backward, where ZeRO reduces its
+        # gradient. Inside, the student is called through its `forward`: its hooks already ran for this call.
+        unwrapped = self.accelerator.unwrap_model(model)
+        return self._forward_redirection(model, unwrapped, self._loss_inside_forward, _ForwardOnly(unwrapped), inputs)
+
+    def _loss_inside_forward(self, model, inputs):
         student = self._student_causal_lm()
+        if self._policy_loss_is_zero(inputs):
+            # the dense term is the whole loss: the backbone alone, no vocabulary projection but the dense term's
+            input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            with self.accelerator.autocast():
+                hidden = student.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            hidden = hidden.last_hidden_state
+            self._log_lean_forward_metrics(inputs, hidden, student)
+            return self._dense_weight * self._dense_loss(inputs, hidden, student)
         hidden = []
         hook = student.base_model.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state))
-        lean = self._policy_loss_is_zero(inputs)
         try:
-            if lean:
-                input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-                attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-                model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
-            else:
-                loss = self._policy_loss(model, inputs)
+            loss = self._policy_loss(model, inputs)
         finally:
             hook.remove()
-        dense = self._dense_weight * self._dense_loss(inputs, hidden[0], student)
-        if lean:
-            self._log_lean_forward_metrics(inputs, hidden[0], student)
-            return dense
-        return loss + dense
+        return loss + self._dense_weight * self._dense_loss(inputs, hidden[0], student)
 
     def _policy_loss_is_zero(self, inputs) -> bool:
         """Zero advantages (a dense term alone, see `_defer_sampled_metrics`) and no other term in GRPO's loss."""

@@ -4,6 +4,12 @@ Some model families transform the projected logits before the softmax: a scale (
 `logits_scaling`, Falcon-H1's `lm_head_multiplier`) and a soft cap `c * tanh(z / c)` (Gemma 2 and 3). Every place in
 this package that forms logits from hidden states goes through an `OutputHead`, so each log-prob is the one the model's
 own forward gives, divided by a temperature: `z = softcap(scale * (h @ W.T + b)) / temperature`.
+
+Under DeepSpeed ZeRO-3 a head's weights are partitioned (each rank holds a slice, the tensor itself is empty) except
+inside a forward of their model. Every function here gathers them where it projects (`OutputHead.gathered`, a no-op
+when they are whole), in the forward and again in a hand-written backward, as TRL's chunked kernels do. A loss that
+trains a head must still run inside its model's forward (see `dense.py`): there ZeRO-3 gathers the head on access and
+keeps it whole through the backward, so that its gradient is accumulated and reduced.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 # Logits per tile: 2^23 float32 values (32 MiB), e.g. 55 positions of a 151k vocabulary
 TILE_ELEMENTS = 2**23
@@ -34,6 +41,15 @@ class OutputHead:
         return cls(head.weight, head.bias, logit_scale(config), getattr(config, "final_logit_softcapping", None),
                    temperature)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the head, also while ZeRO-3 holds it partitioned (then `weight` is empty and `ds_shape` is whole)."""
+        return getattr(self.weight, "ds_shape", self.weight.shape)[0]
+
+    def gathered(self):
+        """Context in which `weight` and `bias` are whole: a no-op unless ZeRO-3 partitions them outside a forward."""
+        return maybe_gather_lm_head_ctx(self.weight, self.bias)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Transformed float32 logits (N, V) of hidden states (N, H)."""
         return self.transform(torch.nn.functional.linear(hidden, self.weight, self.bias).float())
@@ -53,7 +69,7 @@ class OutputHead:
 
     def tile_rows(self, tile_elements: int = TILE_ELEMENTS) -> int:
         """Positions per tile so that one tile of logits holds about `tile_elements` values."""
-        return max(1, tile_elements // self.weight.size(0))
+        return max(1, tile_elements // self.vocab_size)
 
 
 def logit_scale(text_config) -> float:
@@ -79,10 +95,11 @@ def head_topk_logps(
     without gradient. Positions are projected onto the vocabulary a tile at a time. With `vocab_size`, the tokens are
     chosen among the first `vocab_size` ids (those a smaller student can write), log-probs still over all rows."""
     ids, logps = [], []
-    for h in hidden.split(head.tile_rows(tile_elements)):
-        values, indices = head.logits(h).log_softmax(-1)[:, :vocab_size].topk(k, dim=-1)
-        ids.append(indices)
-        logps.append(values)
+    with head.gathered():
+        for h in hidden.split(head.tile_rows(tile_elements)):
+            values, indices = head.logits(h).log_softmax(-1)[:, :vocab_size].topk(k, dim=-1)
+            ids.append(indices)
+            logps.append(values)
     if not ids:
         return hidden.new_zeros(0, k, dtype=torch.long), hidden.new_zeros(0, k, dtype=torch.float32)
     return torch.cat(ids), torch.cat(logps)
@@ -106,11 +123,12 @@ def head_token_logps_and_entropy(
     logps = hidden.new_empty(ids.shape, dtype=torch.float32)
     entropy = hidden.new_empty(ids.shape, dtype=torch.float32)
     rows = head.tile_rows(tile_elements)
-    for start in range(0, hidden.size(0), rows):
-        tile = slice(start, start + rows)
-        tile_logps = head.logits(hidden[tile]).log_softmax(-1)
-        logps[tile] = tile_logps.gather(-1, ids[tile, None])[:, 0]
-        entropy[tile] = -(tile_logps.exp() * tile_logps).sum(-1)
+    with head.gathered():
+        for start in range(0, hidden.size(0), rows):
+            tile = slice(start, start + rows)
+            tile_logps = head.logits(hidden[tile]).log_softmax(-1)
+            logps[tile] = tile_logps.gather(-1, ids[tile, None])[:, 0]
+            entropy[tile] = -(tile_logps.exp() * tile_logps).sum(-1)
     return logps, entropy
 
 
@@ -121,11 +139,12 @@ class _TokenLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, head, rows):
         logps = hidden.new_empty(ids.shape, dtype=torch.float32)
         normalizers = hidden.new_empty(ids.size(0), dtype=torch.float32)
-        for start in range(0, hidden.size(0), rows):
-            tile = slice(start, start + rows)
-            logits = head.logits(hidden[tile])
-            normalizers[tile] = logits.logsumexp(-1)
-            logps[tile] = logits.gather(-1, ids[tile]) - normalizers[tile, None]
+        with head.gathered():
+            for start in range(0, hidden.size(0), rows):
+                tile = slice(start, start + rows)
+                logits = head.logits(hidden[tile])
+                normalizers[tile] = logits.logsumexp(-1)
+                logps[tile] = logits.gather(-1, ids[tile]) - normalizers[tile, None]
         ctx.save_for_backward(hidden, weight, bias, ids, normalizers)
         ctx.head, ctx.rows = head, rows
         return logps
@@ -135,25 +154,26 @@ class _TokenLogProbs(torch.autograd.Function):
         hidden, weight, bias, ids, normalizers = ctx.saved_tensors
         head = ctx.head
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        wants_bias = bias is not None and ctx.needs_input_grad[2]
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants_bias else None
-        for start in range(0, hidden.size(0), ctx.rows):
-            tile = slice(start, start + ctx.rows)
-            grad = grad_logps[tile].float()
-            raw = torch.nn.functional.linear(hidden[tile], weight, bias).float()
-            # d/dz of sum_j g_j log p(ids_j) = onehot(ids) g - softmax * sum_j g_j, built in place; then the chain rule
-            # through the transform z(raw)
-            grad_logits = head.transform(raw).sub_(normalizers[tile, None]).exp_().mul_(-grad.sum(-1, keepdim=True))
-            grad_logits.scatter_add_(-1, ids[tile], grad)
-            if head.scale != 1.0 or head.softcap is not None or head.temperature != 1.0:
-                grad_logits.mul_(head.transform_grad(raw))
-            if grad_hidden is not None:
-                grad_hidden[tile] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T, hidden[tile].float())
-            if grad_bias is not None:
-                grad_bias.add_(grad_logits.sum(0))
+        with head.gathered():  # ZeRO-3 partitioned the weights again after the forward
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+            wants_bias = bias is not None and ctx.needs_input_grad[2]
+            grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants_bias else None
+            for start in range(0, hidden.size(0), ctx.rows):
+                tile = slice(start, start + ctx.rows)
+                grad = grad_logps[tile].float()
+                raw = torch.nn.functional.linear(hidden[tile], weight, bias).float()
+                # d/dz of sum_j g_j log p(ids_j) = onehot(ids) g - softmax * sum_j g_j, built in place; then the chain
+                # rule through the transform z(raw)
+                grad_logits = head.transform(raw).sub_(normalizers[tile, None]).exp_().mul_(-grad.sum(-1, keepdim=True))
+                grad_logits.scatter_add_(-1, ids[tile], grad)
+                if head.scale != 1.0 or head.softcap is not None or head.temperature != 1.0:
+                    grad_logits.mul_(head.transform_grad(raw))
+                if grad_hidden is not None:
+                    grad_hidden[tile] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad_logits.T, hidden[tile].float())
+                if grad_bias is not None:
+                    grad_bias.add_(grad_logits.sum(0))
         return (
             grad_hidden,
             None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -171,9 +191,11 @@ def head_mass_beyond(
     """Probability (N,) the head puts on ids >= `vocab_size` at each position, from final hidden states (N, H) and the
     log-probs `logps` (N,) of tokens `ids` (N,) under the whole head: only the extra rows are projected, and the
     normalizer comes from the known token, `log Z = z[id] - log p(id)`."""
-    extra = replace(head, weight=head.weight[vocab_size:], bias=None if head.bias is None else head.bias[vocab_size:])
-    raw_token = (hidden.float() * head.weight[ids].float()).sum(-1)
-    if head.bias is not None:
-        raw_token = raw_token + head.bias[ids].float()
-    log_normalizer = head.transform(raw_token) - logps
-    return (extra.logits(hidden).logsumexp(-1) - log_normalizer).exp()
+    with head.gathered():
+        extra = replace(head, weight=head.weight[vocab_size:],
+                        bias=None if head.bias is None else head.bias[vocab_size:])
+        raw_token = (hidden.float() * head.weight[ids].float()).sum(-1)
+        if head.bias is not None:
+            raw_token = raw_token + head.bias[ids].float()
+        log_normalizer = head.transform(raw_token) - logps
+        return (extra.logits(hidden).logsumexp(-1) - log_normalizer).exp()

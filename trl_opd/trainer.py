@@ -173,7 +173,15 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         }
         if args.opd_estimator == "full":  # refuse a pair of temperatures the kernel cannot apply, before training
             shared_temperature(self._student_head(self._student_causal_lm()), scorers["teacher"].output_head)
-        return RoutedTeacher(scorers) if args.teachers else scorers["teacher"]
+        if not args.teachers:
+            return scorers["teacher"]
+        sharded = tuple(self.teacher_models) if self.is_deepspeed_enabled else ()  # ZeRO-3 forwards are collectives
+        return RoutedTeacher(scorers, collective=sharded, max_over_ranks=self._max_over_ranks)
+
+    def _max_over_ranks(self, count: int) -> int:
+        """The largest `count` on any process (a collective)."""
+        counts = self.accelerator.gather(torch.tensor([count], device=self.accelerator.device))
+        return int(counts.max())
 
     def _prepare_teacher(self, teacher: torch.nn.Module) -> torch.nn.Module:
         """Place the teacher the way GRPO places its reference model: sharded under ZeRO-3/FSDP, else on device."""

@@ -106,7 +106,7 @@ class LocalTeacher:
     def _check_outside_mass(self, hidden, completion_ids, completion_mask, logps) -> None:
         """On the first scored batch, warn if the teacher puts real probability on ids the student cannot write,
         which the dense terms leave out; untrained padding rows (e.g. 152,064 against 151,936) carry none."""
-        extra_rows = self.output_head.weight.size(0) - (self.student_vocab_size or 0)
+        extra_rows = self.output_head.vocab_size - (self.student_vocab_size or 0)
         if self._checked_outside_mass or not self.student_vocab_size or extra_rows <= 0:
             return
         self._checked_outside_mass = True
