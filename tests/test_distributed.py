@@ -25,10 +25,11 @@ STEPS = 3
 LOGGED = ("loss", "grad_norm", "opd/reverse_kl", "opd/reverse_kl_dense", "opd/reverse_kl_topk")
 
 
-def _args(tiny, output_dir, *extra, teacher=None):
+def _args(tiny, output_dir, *extra, teacher=None, student=None):
     teacher = ["--teacher_model_name_or_path", str(tiny / "teacher") if teacher is None else teacher]
+    student = str(tiny / "student") if student is None else str(student)
     return [
-        "--config", SMOKE, "--model_name_or_path", str(tiny / "student"), "--dataset_name", str(tiny / "train.jsonl"),
+        "--config", SMOKE, "--model_name_or_path", student, "--dataset_name", str(tiny / "train.jsonl"),
         "--output_dir", str(output_dir), "--max_steps", str(STEPS), "--logging_steps", "1",
         "--generation_kwargs", '{"do_sample": false}', "--save_strategy", "steps", "--save_steps", str(STEPS),
         *teacher, *extra,
@@ -94,6 +95,22 @@ def test_the_default_estimator_under_zero3_is_full_with_a_dense_and_sampled_term
     two, one = _train_both_ways(lambda out: _args(tiny, out, "--use_peft", "false", "--opd_coef", "1.0"), tmp_path)
     sharded = _assert_same_training(two, one, dense_metric="opd/reverse_kl_dense")
     assert all(entry["loss"] > entry["opd/reverse_kl_dense"] for entry in sharded)  # both terms in the loss
+
+
+def test_a_student_with_tied_embeddings_under_zero3_matches_one_process(tiny, tmp_path):
+    # the LM head is the input embedding (Qwen3 up to 4B, Qwen2.5 0.5B): one partitioned tensor that the embedding and
+    # the dense term both read, whose gradient sums both uses
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "student")
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "tied")
+    AutoTokenizer.from_pretrained(tiny / "student").save_pretrained(tmp_path / "tied")
+    two, one = _train_both_ways(
+        lambda out: _args(tiny, out, "--use_peft", "false", student=tmp_path / "tied"), tmp_path
+    )
+    _assert_same_training(two, one, dense_metric="opd/reverse_kl_dense")
 
 
 def test_a_served_teacher_under_zero3_trains_topk_like_one_process(teacher_server, tiny, tmp_path):

@@ -7,13 +7,14 @@ import yaml
 
 from trl_opd.cli import make_parser
 
-RECIPES = sorted(Path(__file__).parents[1].glob("recipes/*.yaml"))
-ACCELERATE_CONFIGS = sorted(Path(__file__).parents[1].glob("recipes/accelerate/*.yaml"))
+ROOT = Path(__file__).parents[1]
+RECIPES = sorted(ROOT.glob("recipes/*.yaml"))
+ACCELERATE_CONFIGS = sorted(ROOT.glob("recipes/accelerate/*.yaml"))
 
 
 def test_there_are_recipes():
     assert {p.name for p in RECIPES} >= {
-        "smoke_cpu.yaml", "smoke_cpu_served.yaml", "qwen3_deepmath_lora.yaml", "qwen3_deepmath_served_teacher.yaml"
+        "smoke_cpu.yaml", "smoke_cpu_served.yaml", "opd.yaml", "qwen3_deepmath_served_teacher.yaml"
     }
     assert {p.name for p in ACCELERATE_CONFIGS} >= {"cpu.yaml", "single_gpu.yaml", "zero3.yaml"}
 
@@ -43,6 +44,20 @@ def test_recipe_parses_and_documents_its_launch(recipe):
 def test_accelerate_configs_document_their_launch(config):
     assert "accelerate launch" in config.read_text().splitlines()[1]
     assert yaml.safe_load(config.read_text())["num_processes"] >= 1
+
+
+def test_the_flagship_recipe_fails_fast_and_clearly_without_a_gpu_or_the_hub():
+    # `trl-opd check` as a user would run it here: no GPU for bf16, and then (on CPU) no hub for the dataset
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    check = [sys.executable, "-m", "trl_opd", "check", "--config", str(ROOT / "recipes" / "opd.yaml")]
+    for extra, message in (([], "doesn't support bf16/gpu"),
+                           (["--use_cpu", "true"], "Couldn't reach 'zwhe99/DeepMath-103K' on the Hub")):
+        result = subprocess.run([*check, *extra], capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
 
 
 def test_unknown_recipe_key_is_an_error(tmp_path):
