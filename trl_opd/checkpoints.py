@@ -40,6 +40,7 @@ def resolve_resume(resume_from_checkpoint, output_dir) -> str | None:
         latest = last_complete_checkpoint(output_dir)
         if latest is None:
             raise ValueError(f"No complete checkpoint to resume from in {output_dir}.")
+        _check_checkpoint_weights(latest)
         return latest
     if not is_complete(resume_from_checkpoint):
         latest = last_complete_checkpoint(Path(resume_from_checkpoint).parent)
@@ -47,4 +48,36 @@ def resolve_resume(resume_from_checkpoint, output_dir) -> str | None:
             f"Checkpoint {resume_from_checkpoint} is incomplete (no readable trainer_state.json: the run was probably "
             f"stopped while saving it). The newest complete one is {latest}."
         )
+    _check_checkpoint_weights(resume_from_checkpoint)
     return str(resume_from_checkpoint)
+
+
+def _check_checkpoint_weights(checkpoint) -> None:
+    """A checkpoint whose weight files are damaged names the file and the newest complete checkpoint before it."""
+    from .checks import check_weight_files
+
+    try:
+        check_weight_files(checkpoint, role="checkpoint's")
+    except ValueError as error:
+        step = int(_CHECKPOINT.match(Path(checkpoint).name).group(1)) if _CHECKPOINT.match(Path(checkpoint).name) else 0
+        earlier = [p for p in Path(checkpoint).parent.glob("checkpoint-*")
+                   if (m := _CHECKPOINT.match(p.name)) and int(m.group(1)) < step and is_complete(p)]
+        previous = max(earlier, key=lambda p: int(p.name.split("-")[1]), default=None)
+        raise ValueError(f"{error} Checkpoint {checkpoint} cannot be resumed; the newest complete one before it is "
+                         f"{previous}.") from None
+
+
+def old_checkpoints(output_dir: str | Path, *, overwrite: bool) -> list[Path]:
+    """The checkpoints a new (not resumed) run in `output_dir` must delete before it starts; raises if the directory
+    holds anything and `overwrite` is not set: the new run's checkpoints would mix with the old ones, and a later
+    resume could load the old run's newest."""
+    output_dir = Path(output_dir)
+    found = sorted(p.name for p in output_dir.iterdir()) if output_dir.is_dir() else []
+    if found and not overwrite:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise FileExistsError(
+            f"output_dir {output_dir} already holds files ({shown}): a new run there would mix its checkpoints with "
+            "the old ones. Resume that run (resume_from_checkpoint: true), start over in it (overwrite_output_dir: "
+            "true, which deletes its checkpoints), or choose another output_dir."
+        )
+    return sorted(p for p in output_dir.glob("checkpoint-*") if p.is_dir())

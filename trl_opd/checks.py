@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from accelerate.utils import is_peft_model
 
 
-def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict[str, str] | None = None) -> None:
-    """A prompt dataset must be non-empty and have a `prompt` column (string or chat messages), and each column of
-    `required` (column -> what the configuration needs it for)."""
+def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict[str, str] | None = None,
+                         prompt_columns: tuple[str, ...] = ("prompt",)) -> None:
+    """A prompt dataset must be non-empty and have a `prompt` column, and each column of `required` (column -> what
+    the configuration needs it for). Every row of `prompt_columns` must be a prompt: a non-empty string or a
+    non-empty list of chat messages."""
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
@@ -26,6 +31,29 @@ def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict
         return
     if size == 0:
         raise ValueError(f"{name} is empty: there are no prompts to sample completions for.")
+    for column in prompt_columns:
+        if columns is None or column in columns:
+            for row, prompt in enumerate(dataset[column]):
+                problem = prompt_problem(prompt)
+                if problem:
+                    raise ValueError(
+                        f"{name} row {row}: its {column!r} {problem}. A prompt is a non-empty string or a non-empty "
+                        "list of chat messages, each a dict with 'role' and 'content'."
+                    )
+
+
+def prompt_problem(prompt) -> str | None:
+    """What is wrong with one prompt (text or chat messages), or None."""
+    if isinstance(prompt, str):
+        return "is an empty string" if not prompt.strip() else None
+    if not isinstance(prompt, list):
+        return f"is {type(prompt).__name__} {str(prompt)[:60]!r}"
+    if not prompt:
+        return "is an empty list of messages"
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return f"message {i} is not a dict with 'role' and 'content': {str(message)[:60]!r}"
+    return None
 
 
 def check_tokenizers_compatible(student_tokenizer, teacher_tokenizer, *, student_name: str, teacher_name: str) -> None:
@@ -72,8 +100,9 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
         required[args.teacher_prompt_column] = "which teacher_prompt_column names as the prompt the teacher sees"
     if args.teachers:
         required[args.teacher_route_column] = f"to route rows to teachers {sorted(args.teachers)}"
+    prompt_columns = ("prompt", *([args.teacher_prompt_column] if args.teacher_prompt_column else []))
     for name, dataset in datasets:
-        check_prompt_dataset(dataset, name=name, required=required)
+        check_prompt_dataset(dataset, name=name, required=required, prompt_columns=prompt_columns)
     other_sources = args.teacher_server_url or args.ref_as_teacher or args.teacher_is_student_base or args.teachers
     if teacher_model is not None and other_sources:
         raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
@@ -154,3 +183,63 @@ def check_routes(datasets, args) -> None:
             raise ValueError(
                 f"{name} routes rows to {unknown}, which are not among the configured teachers {sorted(args.teachers)}."
             )
+
+
+def check_weight_files(path, *, role: str) -> None:
+    """A local model or adapter directory's weight files must be whole: each safetensors header is read (not the
+    weights), so an empty or truncated file is named before loading starts."""
+    import struct
+
+    directory = Path(path) if isinstance(path, (str, Path)) else None
+    if directory is None or not directory.is_dir():
+        return
+    for file in sorted(directory.glob("*.safetensors")):
+        size = file.stat().st_size
+        problem = None
+        if size < 8:
+            problem = f"is {size} bytes long"
+        else:
+            with open(file, "rb") as f:
+                header = struct.unpack("<Q", f.read(8))[0]
+                try:
+                    meta = json.loads(f.read(header)) if 8 + header <= size else None
+                except ValueError:
+                    meta = None
+            if meta is None:
+                problem = "has an unreadable header"
+            else:
+                ends = [entry["data_offsets"][1] for name, entry in meta.items() if name != "__metadata__"]
+                if 8 + header + max(ends, default=0) > size:
+                    problem = f"is truncated ({size} bytes, its header describes {8 + header + max(ends)})"
+        if problem:
+            raise ValueError(f"The {role} weight file {file} {problem}: re-download or re-save it.")
+
+
+def check_model_files(model, teacher_model, args) -> None:
+    """`check_weight_files` on every local model directory the configuration names: the student, its teachers and
+    the teacher's adapter."""
+    check_weight_files(model, role="student")
+    teachers = args.teachers or {"teacher": teacher_model or args.teacher_model_name_or_path}
+    for name, source in teachers.items():
+        check_weight_files(source, role=f"teacher {name!r}" if args.teachers else "teacher")
+    check_weight_files(args.teacher_adapter_name_or_path, role="teacher adapter")
+
+
+def check_chat_template(tokenizer, dataset, *, name: str, chat_template_given: bool = False) -> None:
+    """Chat prompts need a chat template to render them, which a base model's tokenizer may not have."""
+    if chat_template_given or getattr(tokenizer, "chat_template", None) or dataset is None:
+        return
+    try:
+        first = next(iter(dataset))["prompt"]
+    except (StopIteration, KeyError, TypeError):
+        return
+    if isinstance(first, list):
+        raise ValueError(
+            f"{name}'s prompts are chat messages, but the student's tokenizer ({name_of(tokenizer)}) has no chat "
+            "template to render them. Use an instruction-tuned student, give the tokenizer a chat_template, or use "
+            "text prompts (prompt_as_user_message: false with a text column)."
+        )
+
+
+def name_of(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__

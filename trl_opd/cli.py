@@ -19,6 +19,7 @@ from pathlib import Path
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from .config import OPDConfig
+from .prompts import with_system_message
 
 _LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -39,7 +40,9 @@ class OPDScriptArguments(ScriptArguments):
     )
     system_prompt: str | None = field(
         default=None,
-        metadata={"help": "A system message put before each chat prompt (with prompt_as_user_message)."},
+        metadata={"help": "A system message before each prompt, for the student and the teacher alike: before the user "
+                          "message that prompt_as_user_message makes, or merged into chat prompts' own system "
+                          "message. Text prompts without prompt_as_user_message are refused."},
     )
     push_merged: bool = field(
         default=False,
@@ -97,9 +100,11 @@ def _require_local_path(path: str | None, what: str) -> None:
         )
 
 
-def load_prompts(script_args: OPDScriptArguments, split: str, name: str | None = None):
+def load_prompts(script_args: OPDScriptArguments, split: str, name: str | None = None, *,
+                 teacher_prompt_column: str | None = None):
     """Load one split of `name` (default: the recipe's dataset_name) and bring it to the trainer's format: a
-    'prompt' column of text or chat messages."""
+    'prompt' column of text or chat messages. A teacher-only prompt column gets the same treatment as 'prompt' (the
+    user-message wrapping and the system message), so the teacher's prompt is built by the student's rules."""
     from datasets import load_dataset, load_from_disk
 
     name = name or script_args.dataset_name
@@ -108,7 +113,10 @@ def load_prompts(script_args: OPDScriptArguments, split: str, name: str | None =
     suffix = Path(name).suffix
     if suffix in _LOCAL_DATA_FORMATS:
         _require_local_path(name if name.startswith((".", "/", "artifacts/")) else f"./{name}", "dataset_name")
-        dataset = load_dataset(_LOCAL_DATA_FORMATS[suffix], data_files={split: name}, split=split)
+        try:
+            dataset = load_dataset(_LOCAL_DATA_FORMATS[suffix], data_files={split: name}, split=split)
+        except StopIteration:  # what the json loader raises on a file without rows
+            raise ValueError(f"Dataset file {name!r} is empty: there are no prompts in it.") from None
     elif Path(name).is_dir() and (Path(name) / "dataset_dict.json").exists():
         dataset = load_from_disk(name)[split]
     else:
@@ -118,10 +126,32 @@ def load_prompts(script_args: OPDScriptArguments, split: str, name: str | None =
         if "prompt" in (dataset.column_names or []):
             dataset = dataset.remove_columns("prompt")
         dataset = dataset.rename_column(script_args.prompt_column, "prompt")
+    columns = ["prompt", *([teacher_prompt_column] if teacher_prompt_column in (dataset.column_names or []) else [])]
+    system = script_args.system_prompt
     if script_args.prompt_as_user_message:
-        system = [{"role": "system", "content": script_args.system_prompt}] if script_args.system_prompt else []
-        dataset = dataset.map(lambda row: {"prompt": [*system, {"role": "user", "content": row["prompt"]}]})
+        head = [{"role": "system", "content": system}] if system else []
+        dataset = dataset.map(lambda row: {c: [*head, {"role": "user", "content": row[c]}] for c in columns})
+    elif system:
+        for column in columns:
+            first = next(iter(dataset), {}).get(column)  # an empty dataset is refused by the trainer, naming it
+            if isinstance(first, str):
+                raise ValueError(
+                    f"system_prompt goes in front of chat prompts, but the {column!r} column holds text. Set "
+                    "prompt_as_user_message: true to make each text prompt a user message after the system prompt."
+                )
+        dataset = dataset.map(lambda row: {c: with_system_message(row[c], system) for c in columns})
     return dataset
+
+
+def check_held_out(script_args: OPDScriptArguments) -> None:
+    """Evaluation must not read the training prompts: every split of a local file is the whole file."""
+    train, held_out = script_args.dataset_name, script_args.eval_dataset_name or script_args.dataset_name
+    if Path(train).suffix in _LOCAL_DATA_FORMATS and Path(held_out).resolve() == Path(train).resolve():
+        raise ValueError(
+            f"Evaluation would read the training prompts: dataset_name {train!r} is one file, so its "
+            f"{script_args.dataset_test_split!r} split is that same file. Set eval_dataset_name to a file of held-out "
+            "prompts, or eval_strategy: no."
+        )
 
 
 def load_reward_funcs(names: list[str] | None) -> list:
@@ -171,11 +201,15 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
         **(training_args.model_init_kwargs or {}),
     }
     environment = script_args.environment_factory
+    column = training_args.teacher_prompt_column
+    if training_args.eval_strategy != "no":
+        check_held_out(script_args)
     if train_dataset is None:
-        train_dataset = load_prompts(script_args, script_args.dataset_train_split)
+        train_dataset = load_prompts(script_args, script_args.dataset_train_split, teacher_prompt_column=column)
     eval_dataset = None
     if training_args.eval_strategy != "no":
-        eval_dataset = load_prompts(script_args, script_args.dataset_test_split, script_args.eval_dataset_name)
+        eval_dataset = load_prompts(script_args, script_args.dataset_test_split, script_args.eval_dataset_name,
+                                    teacher_prompt_column=column)
     return OPDTrainer(
         model=model_args.model_name_or_path,
         args=training_args,
@@ -266,10 +300,25 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     if _cpu_process_group():
         # the arguments must take the process group just set up rather than build their own
-        argv += ["--accelerator_config", '{"use_configured_state": true}']
+        argv = _with_configured_state(argv)
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
     train(script_args, training_args, model_args, recipe=recipe)
+
+
+def _with_configured_state(argv: list[str]) -> list[str]:
+    """`argv` whose accelerator_config (from the command line, else the recipe) also says use_configured_state."""
+    import json
+
+    import yaml
+
+    config = {}
+    if "--config" in argv:
+        config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()).get("accelerator_config") or {}
+    if "--accelerator_config" in argv:
+        config = argv[argv.index("--accelerator_config") + 1]
+    config = json.loads(config) if isinstance(config, str) else dict(config)
+    return [*argv, "--accelerator_config", json.dumps({**config, "use_configured_state": True})]
 
 
 def _cpu_process_group() -> bool:

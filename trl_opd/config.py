@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from trl import GRPOConfig
+
+from .secrets import has_credentials, masked
 
 OPD_OBJECTIVES = ("clipped", "importance_sampling")
 REWARD_COMBINATIONS = ("loss", "advantage")
@@ -203,6 +208,14 @@ class OPDConfig(GRPOConfig):
             "batch. Defaults to `per_device_train_batch_size`."
         },
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a new run in an output_dir that already holds files, deleting its checkpoints first (so "
+            "that a later resume cannot pick up the old run's). Without it, a non-empty output_dir is refused "
+            "unless the run resumes from a checkpoint."
+        },
+    )
 
     def teacher_source(self, teacher_model=None) -> str | None:
         """Where the teacher's scores come from, whichever way it was named: 'local', 'served', 'reference',
@@ -237,6 +250,18 @@ class OPDConfig(GRPOConfig):
         if self.opd_coef is None:
             self.opd_coef = 1.0 if self.opd_estimator == "sampled" else 0.0
 
+    def __getstate__(self) -> dict:
+        """What pickling keeps, e.g. `training_args.bin` in the output directory and every checkpoint: no Hub token,
+        and server URLs without credentials. The live object keeps both for the run."""
+        state = {name: masked(value) for name, value in self.__dict__.items()}
+        state["hub_token"] = None
+        return state
+
+    def to_dict(self) -> dict:
+        """As TrainingArguments' (tokens replaced by placeholders), with server URLs' credentials masked: this is what
+        logs and trackers record."""
+        return masked(super().to_dict())
+
     def __post_init__(self):
         if self.num_generations == 1:
             self.num_generations = _UngroupedOne(1)
@@ -252,12 +277,47 @@ class OPDConfig(GRPOConfig):
                 f"opd_objective='importance_sampling' removes the clipping of a clipped objective, but loss_type="
                 f"{self.loss_type!r} has none. Use one of {CLIPPED_LOSS_TYPES}, or opd_objective='clipped'."
             )
+        for name in ("opd_coef", "opd_dense_coef", "opd_loss_coef", "kl_discount_factor", "teacher_temperature"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}.")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be at least 1 token, got {self.max_completion_length}.")
+        if self.max_steps == 0 or (self.max_steps < 0 and self.num_train_epochs <= 0):
+            raise ValueError(
+                f"Nothing to train: max_steps={self.max_steps}, num_train_epochs={self.num_train_epochs}. Set "
+                "max_steps > 0, or num_train_epochs > 0 with max_steps unset (-1)."
+            )
+        if not self.teacher_server_timeout > 0:
+            raise ValueError(f"teacher_server_timeout must be positive (seconds), got {self.teacher_server_timeout}.")
+        if self.teacher_server_max_retries < 0:
+            raise ValueError(f"teacher_server_max_retries must be 0 or more, got {self.teacher_server_max_retries}.")
         if not 0.0 <= self.kl_discount_factor < 1.0:
             raise ValueError(f"kl_discount_factor must be in [0, 1), got {self.kl_discount_factor}.")
         if self.teacher_model_name_or_path == "":
             self.teacher_model_name_or_path = None  # `--teacher_model_name_or_path ""` unsets a recipe's teacher
         if isinstance(self.teacher_server_url, str):
             self.teacher_server_url = [self.teacher_server_url]
+        if self.teachers is not None and not isinstance(self.teachers, dict):
+            raise ValueError(
+                f"teachers must be a mapping of teacher names to a model path/Hub id or server URL(s), e.g. "
+                f"{{\"math\": \"Qwen/Qwen3-8B\"}}; got {type(self.teachers).__name__} "
+                f"{masked(str(self.teachers))[:100]!r}."
+            )
+        named = {"teacher_model_name_or_path": [self.teacher_model_name_or_path],
+                 "teacher_server_url": self.teacher_server_url or []}
+        for name, source in (self.teachers or {}).items():
+            named[f"teachers[{name!r}]"] = source if isinstance(source, list) else [source]
+        for option, values in named.items():
+            for value in values:
+                _check_teacher_address(option, value)
+        urls = [value for values in named.values() for value in values]
+        if any(has_credentials(url) for url in urls):
+            warnings.warn(
+                "A teacher server URL carries credentials (user:password@host). trl_opd masks them in everything it "
+                "writes or prints, but a URL is not the place for a secret: put an API key in an environment "
+                "variable and name it in teacher_server_api_key_env.", stacklevel=2,
+            )
         sources = {
             "teacher_model_name_or_path": self.teacher_model_name_or_path,
             "teacher_server_url": self.teacher_server_url,
@@ -288,6 +348,28 @@ class OPDConfig(GRPOConfig):
             raise ValueError(f"teacher_temperature must be positive, got {self.teacher_temperature}.")
         if self.teacher_batch_size is not None and self.teacher_batch_size < 1:
             raise ValueError(f"teacher_batch_size must be a positive integer, got {self.teacher_batch_size}.")
+
+
+# host:port with no scheme (a server address missing its http://), and a scheme other than http(s)
+_BARE_ADDRESS = re.compile(r"^(localhost|\d{1,3}(\.\d{1,3}){3}|[\w-]+(\.[\w-]+)+|\[[0-9a-fA-F:]+\]):\d+(/.*)?$")
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+def _check_teacher_address(option: str, value) -> None:
+    """A teacher named as a server must be an http(s) URL; a path or Hub id is not checked here."""
+    if not isinstance(value, str):
+        return
+    scheme = _SCHEME.match(value)
+    if scheme and scheme.group(1).lower() not in ("http", "https"):
+        raise ValueError(
+            f"{option} {masked(value)!r} uses the scheme {scheme.group(1)!r}: teacher servers are reached over "
+            "http:// or https://."
+        )
+    if not scheme and _BARE_ADDRESS.match(value):
+        raise ValueError(
+            f"{option} {masked(value)!r} looks like a server address without its scheme: write "
+            f"'http://{masked(value)}' (or https://). As written it would be read as a model path or Hub id."
+        )
 
 
 # The teacher sources that can provide each dense estimator's teacher side

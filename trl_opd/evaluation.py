@@ -36,20 +36,23 @@ def heldout_reverse_kl(
     student.eval()
     device = next(student.parameters()).device
     texts = [_render(tokenizer, p) for p in prompts for _ in range(samples_per_prompt)]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    # as training tokenizes them: text prompts with the tokenizer's special tokens (a BOS), chat prompts as rendered
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                      add_special_tokens=isinstance(prompts[0], str))
     batch = batch.to(device)
+    stop_ids = stop_token_ids(student, tokenizer)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     sequences = student.generate(
         **batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
     )
     torch.random.set_rng_state(generator_state)
     prompt_len = batch["input_ids"].size(1)
     completion = sequences[:, prompt_len:]
-    # tokens after the first end-of-sequence are padding that generate() appended
-    ended = (completion == tokenizer.eos_token_id).int().cumsum(1)
-    completion_mask = (ended - (completion == tokenizer.eos_token_id).int()) == 0
+    # tokens after the first stop token are padding that generate() appended
+    stops = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).int()
+    completion_mask = (stops.cumsum(1) - stops) == 0
     attention_mask = torch.cat([batch["attention_mask"], completion_mask.long()], 1)
 
     sampled_sum = exact_sum = count = 0.0
@@ -74,8 +77,17 @@ def heldout_reverse_kl(
         completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         repeat = lambda values: [v for v in values for _ in range(samples_per_prompt)]  # noqa: E731 (one per sample)
         scores = accuracy_func(completions=completions, solution=repeat(solutions), prompts=repeat(prompts))
-        metrics["accuracy"] = sum(s or 0.0 for s in scores) / len(scores)
+        scored = [s for s in scores if s is not None]  # None: the function could not judge it, skipped as in training
+        metrics["accuracy"] = sum(scored) / len(scored) if scored else float("nan")
     return metrics
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The ids that end a completion, as GRPO's training counts them: the tokenizer's eos and the model's generation
+    config's (chat models often stop on several, e.g. Qwen's `<|im_end|>` and `<|endoftext|>`)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *configured]))
 
 
 class HeldoutReverseKLCallback(TrainerCallback):

@@ -11,6 +11,8 @@ import json
 import tempfile
 from pathlib import Path
 
+from .secrets import masked, without_secrets
+
 # The facts behind the model card, kept beside it so a merged copy can get its own card
 CARD_FACTS = "opd_training.json"
 # What a push leaves out: resumable training state, not the model
@@ -22,16 +24,17 @@ class HubPushError(RuntimeError):
 
 
 def describe_teacher(args) -> str:
+    """The teacher as the model card shows it: server URLs without their credentials."""
     if args.ref_as_teacher:
         return "the student's own reference model (ref_as_teacher)"
     if args.teacher_is_student_base:
         return "the student's base model with its adapter disabled (teacher_is_student_base)"
     if args.teachers:
-        return "routed per row: " + ", ".join(f"{name}: {source}" for name, source in args.teachers.items())
+        return "routed per row: " + ", ".join(f"{name}: {masked(source)}" for name, source in args.teachers.items())
     if args.teacher_server_url:
-        return "served by vLLM at " + ", ".join(args.teacher_server_url)
+        return "served by vLLM at " + ", ".join(masked(args.teacher_server_url))
     adapter = f" + adapter {args.teacher_adapter_name_or_path}" if args.teacher_adapter_name_or_path else ""
-    return f"{args.teacher_model_name_or_path}{adapter}"
+    return masked(f"{args.teacher_model_name_or_path}{adapter}")
 
 
 def model_card(*, base_model: str, teacher: str, recipe: str | None, dataset: str | None, settings: dict,
@@ -112,7 +115,7 @@ def merged_copy(output_dir, destination) -> Path:
 def push(output_dir, repo_id: str, *, token: str | None = None, private: bool | None = None, merge: bool = False,
          endpoint: str | None = None) -> str:
     """Push `output_dir` (adapter or model, card, tokenizer) to `repo_id`; the merged model if `merge`."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, get_token
 
     output_dir = Path(output_dir)
     if not (output_dir / "adapter_config.json").exists() and not (output_dir / "config.json").exists():
@@ -124,9 +127,8 @@ def push(output_dir, repo_id: str, *, token: str | None = None, private: bool | 
             url = api.create_repo(repo_id, private=private, exist_ok=True)
             api.upload_folder(repo_id=repo_id, folder_path=str(folder), ignore_patterns=_IGNORE)
         except Exception as error:  # any failure of the Hub client: network, auth, offline mode, server errors
-            reason = f"{type(error).__name__}: {error}"
-            if token:
-                reason = reason.replace(token, "***")
+            # the token the client used, whatever its source: the argument, HF_TOKEN or the stored login
+            reason = without_secrets(f"{type(error).__name__}: {error}", token, get_token())
             raise HubPushError(
                 f"Could not push {output_dir} to the Hub repo {repo_id!r} ({reason}). Nothing is lost: the trained "
                 f"{'adapter' if (output_dir / 'adapter_config.json').exists() else 'model'} and its model card are "

@@ -5,10 +5,14 @@ Values come from the pure functions in `loss.py`, are reduced across processes, 
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from .loss import opd_metric_sums, opd_metrics_from_sums
 from .teachers.base import TeacherScores
@@ -34,11 +38,29 @@ def wrapped_logps_call(trainer, wrap):
 _DEFERRED = {"teacher_per_token_logps": "logps", "teacher_is_top1": "is_top1", "teacher_entropy": "entropy"}
 
 
+class CompletionTokenCount(TrainerCallback, ExportableState):
+    """The completion tokens trained on so far (`data/completion_tokens_total`), saved in every checkpoint's trainer
+    state (`stateful_callbacks`) and read back on resume (`restore`)."""
+
+    def __init__(self, total: int = 0):
+        self.total = total
+
+    def state(self) -> dict:
+        return {"args": {"total": self.total}, "attributes": {}}
+
+    def restore(self, checkpoint) -> None:
+        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+        saved = state.get("stateful_callbacks", {}).get(type(self).__name__)
+        saved = saved[0] if isinstance(saved, list) else saved
+        if saved:
+            self.total = saved["args"]["total"]
+
+
 class OPDMetricsMixin:
     """Mixed into OPDTrainer before GRPOTrainer: `training_step` and `log` call `super()`."""
 
     def _init_opd_metrics(self) -> None:
-        self._completion_tokens_total = 0
+        self.add_callback(CompletionTokenCount())
         self._window_tokens = 0
         self._window_start: float | None = None
 
@@ -108,8 +130,13 @@ class OPDMetricsMixin:
     def _count_completion_tokens(self, num_tokens: int) -> None:
         """Add a training generation batch's sampled tokens, all processes, to `data/completion_tokens_*`: once per
         generation batch, however many times its micro-batches are trained on (`num_iterations`)."""
-        self._completion_tokens_total += num_tokens
+        self._token_count.total += num_tokens
         self._window_tokens += num_tokens
+
+    @property
+    def _token_count(self) -> CompletionTokenCount:
+        """The count callback in use (a Trainer that restores callback states replaces the one added at start-up)."""
+        return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, CompletionTokenCount))
 
     def _log_accuracy(self, inputs, prompts, completions, completion_ids_list) -> None:
         """`accuracy`: the mean of `accuracy_func` (a GRPO reward function: 1 correct, 0 wrong, None to skip) over the
@@ -134,6 +161,6 @@ class OPDMetricsMixin:
         if self.model.training and self._window_tokens and self._window_start is not None:
             now = time.perf_counter()
             logs["data/completion_tokens_per_second"] = self._window_tokens / (now - self._window_start)
-            logs["data/completion_tokens_total"] = self._completion_tokens_total
+            logs["data/completion_tokens_total"] = self._token_count.total
             self._window_tokens, self._window_start = 0, now
         super().log(logs, start_time)

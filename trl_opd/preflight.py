@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 # Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
 _REFERENCE_PASS = dict(
     ref_as_teacher=True, opd_estimator="sampled", opd_coef=None,
-    teacher_model_name_or_path=None, teacher_server_url=None, teacher_is_student_base=False,
+    teacher_model_name_or_path=None, teacher_server_url=None, teacher_is_student_base=False, teachers=None,
     teacher_adapter_name_or_path=None, teacher_temperature=1.0, teacher_system_prompt=None, teacher_prompt_column=None,
 )
 ZERO_KL_TOLERANCE = 1e-4
@@ -50,7 +50,8 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     from .cli import load_prompts
     from .prompts import teacher_prompt
 
-    dataset = load_prompts(script_args, script_args.dataset_train_split)
+    dataset = load_prompts(script_args, script_args.dataset_train_split,
+                           teacher_prompt_column=training_args.teacher_prompt_column)
     scratch = tempfile.mkdtemp(prefix="trl-opd-check-")
     common = dict(max_steps=1, report_to="none", generation_batch_size=None, save_strategy="no", push_to_hub=False,
                   output_dir=scratch, eval_strategy="no", log_completions=False)

@@ -27,6 +27,17 @@ def vllm_command(model: str, *, python: str, host: str, port: int, max_logprobs:
     return command + extra
 
 
+def has_vllm(python: str) -> bool:
+    """Whether `python` can find the vllm package (without importing it: that takes seconds)."""
+    import subprocess
+
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-opd serve-teacher", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="path or Hub id of the teacher")
@@ -37,6 +48,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="interpreter with vllm installed (vllm often lives in its own virtualenv)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     args, extra = parser.parse_known_args(argv)
+    if not args.dry_run and not has_vllm(args.python):
+        raise SystemExit(
+            f"{args.python} cannot import vllm, so it cannot serve the teacher. Install it there first "
+            "(`pip install 'trl_opd[vllm]'`, or vllm in a virtualenv of its own, then pass that interpreter with "
+            "--python), and start again."
+        )
     command = vllm_command(args.model, python=args.python, host=args.host, port=args.port,
                            max_logprobs=args.max_logprobs, extra=extra)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

@@ -8,6 +8,8 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
+import math
+import shutil
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,8 +20,8 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
-from .checkpoints import resolve_resume
-from .checks import check_opd_inputs
+from .checkpoints import old_checkpoints, resolve_resume
+from .checks import check_chat_template, check_model_files, check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
 from .loss import opd_advantages, shared_temperature
@@ -97,10 +99,12 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         env_rewards = [factory.get_reward for factory in factories if hasattr(factory, "get_reward")]
         check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs + env_rewards,
                          peft_config)
+        check_model_files(model, teacher_model, args)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
                 student_name, padding_side="left", truncation_side="left", trust_remote_code=args.trust_remote_code
             )
+        check_chat_template(processing_class, train_dataset, name="train_dataset")
         teachers = load_teachers(
             model, teacher_model, args, student_name=student_name,
             student_tokenizer=getattr(processing_class, "tokenizer", processing_class),
@@ -143,7 +147,20 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint, skipping one whose save was
         interrupted (the Trainer would take the newest directory, whole or not)."""
         resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if resume_from_checkpoint is None:
+            self._claim_output_dir()
+        else:
+            self._token_count.restore(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _claim_output_dir(self) -> None:
+        """A new run starts in an empty output_dir, or in a used one only with `overwrite_output_dir` (see
+        `old_checkpoints`), whose checkpoints the main process deletes first."""
+        stale = old_checkpoints(self.args.output_dir, overwrite=self.args.overwrite_output_dir)
+        if self.accelerator.is_main_process:
+            for checkpoint in stale:
+                shutil.rmtree(checkpoint)
+        self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------ set-up
 
@@ -171,6 +188,9 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
             ) if name in self.teacher_models else teacher
             for name, teacher in teachers.items()
         }
+        if args.opd_estimator == "topk" and args.opd_topk > student_vocab_size:
+            raise ValueError(f"opd_topk={args.opd_topk} exceeds the student's vocabulary of {student_vocab_size} "
+                             "tokens: the top-k term compares at most that many. Lower opd_topk.")
         if args.opd_estimator == "full":  # refuse a pair of temperatures the kernel cannot apply, before training
             shared_temperature(self._student_head(self._student_causal_lm()), scorers["teacher"].output_head)
         if not args.teachers:
@@ -331,6 +351,22 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
                 f"student: {bad_student}, of {total}). Training stopped rather than learn from them; the last "
                 "checkpoint is intact. Check the teacher's dtype (float16 overflows) and its weights."
             )
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        """Stop, on every rank at once, at the first non-finite loss or gradient norm: before this step's logs and
+        checkpoint, so every checkpoint already saved is one of a finite run."""
+        bad = torch.stack([(~torch.isfinite(tr_loss)).any().float(),
+                           torch.tensor(float(grad_norm is not None and not math.isfinite(float(grad_norm))),
+                                        device=tr_loss.device)])
+        bad_loss, bad_norm = self.accelerator.reduce(bad, reduction="sum").tolist()
+        if bad_loss or bad_norm:
+            raise FloatingPointError(
+                f"Step {self.state.global_step}: the {'loss' if bad_loss else 'gradient norm'} is not finite; "
+                "training stopped before saving this step (earlier checkpoints are intact). Likely causes: a learning "
+                "rate too high for this model, float16 overflow (use bf16 or float32), or a teacher that gives "
+                "probability 0 to sampled tokens (check opd/teacher_logp)."
+            )
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     # ------------------------------------------------------------------ loss
 

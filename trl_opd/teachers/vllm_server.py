@@ -14,10 +14,12 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import requests
 import torch
 
+from ..secrets import mask_urls
 from .base import TeacherScores
 
 # A probe that exercises words, digits, punctuation and whitespace, for the tokenizer comparison
@@ -34,7 +36,11 @@ def is_served(source) -> bool:
 
 
 class TeacherServerError(RuntimeError):
-    """A teacher server could not be reached, refused a request, or answered something unusable."""
+    """A teacher server could not be reached, refused a request, or answered something unusable. The message never
+    shows credentials of a server URL."""
+
+    def __init__(self, message: str):
+        super().__init__(mask_urls(message))
 
 
 class VLLMServerTeacher:
@@ -100,7 +106,21 @@ class VLLMServerTeacher:
                 raise TeacherServerError(
                     f"Teacher server {url} refused {method} {path}: HTTP {response.status_code}: {response.text[:300]}"
                 )
-            return response.json() if response.content else {}
+            if not response.content:
+                return {}
+            try:
+                answer = response.json()
+            except ValueError:
+                raise TeacherServerError(
+                    f"Teacher server {url} answered {method} {path} with HTTP {response.status_code} but not JSON: "
+                    f"{response.text[:200]!r}. Is this URL a vLLM server?"
+                ) from None
+            if not isinstance(answer, dict):
+                raise TeacherServerError(
+                    f"Teacher server {url} answered {method} {path} with {type(answer).__name__} JSON, expected an "
+                    f"object: {response.text[:200]!r}."
+                )
+            return answer
         raise TeacherServerError(
             f"Teacher server {url} did not answer {method} {path} after {self.max_retries + 1} attempts "
             f"(last: {last}). Is it running? Start one with `trl-opd serve-teacher MODEL`."
@@ -116,31 +136,39 @@ class VLLMServerTeacher:
         expected = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
         for url in self.urls:
             self._request("GET", url, "/health")
-            served_model = self._request("GET", url, "/v1/models")["data"][0]
-            model = self.models[url] = served_model["id"]
+            answer = self._request("GET", url, "/v1/models")
+            with _reading(url, "/v1/models", answer):
+                served_model = answer["data"][0]
+                model = self.models[url] = str(served_model["id"])
             if isinstance(served_model.get("max_model_len"), int):  # vLLM reports it; other servers may not
                 self.max_model_lens[url] = served_model["max_model_len"]
-            served = self._request(
+            answer = self._request(
                 "POST", url, "/tokenize", {"model": model, "prompt": _TOKENIZER_PROBE, "add_special_tokens": False}
-            )["tokens"]
+            )
+            with _reading(url, "/tokenize", answer):
+                served = list(answer["tokens"])
             if served != expected:
                 position = _first_difference(served, expected)
                 raise ValueError(
-                    f"The teacher served at {url} ({model}) tokenizes differently from the student ({student_name}): "
-                    f"on the probe {_TOKENIZER_PROBE!r}, token {position} is "
+                    f"The teacher served at {mask_urls(url)} ({model}) tokenizes differently from the student "
+                    f"({student_name}): on the probe {_TOKENIZER_PROBE!r}, token {position} is "
                     f"{served[position] if position < len(served) else None} on the server and "
                     f"{expected[position] if position < len(expected) else None} for the student. The teacher scores "
                     "the student's token ids as they are, so both must share one vocabulary."
                 )
-            for token in (tokenizer.eos_token, tokenizer.bos_token):
+            # every special and added token (chat markers such as <|im_end|>, <think>, tool tags) and bos/eos
+            added = [t.content for _, t in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())]
+            for token in dict.fromkeys([tokenizer.eos_token, tokenizer.bos_token, *added]):
                 if token is None:
                     continue
-                ids = self._request("POST", url, "/tokenize", {"model": model, "prompt": token,
-                                                               "add_special_tokens": False})["tokens"]
+                answer = self._request("POST", url, "/tokenize", {"model": model, "prompt": token,
+                                                                  "add_special_tokens": False})
+                with _reading(url, "/tokenize", answer):
+                    ids = list(answer["tokens"])
                 if ids != [tokenizer.convert_tokens_to_ids(token)]:
                     raise ValueError(
-                        f"The teacher served at {url} ({model}) does not read the student's special token {token!r} "
-                        f"as id {tokenizer.convert_tokens_to_ids(token)} (it reads {ids})."
+                        f"The teacher served at {mask_urls(url)} ({model}) does not read the student's special token "
+                        f"{token!r} as id {tokenizer.convert_tokens_to_ids(token)} (it reads {ids})."
                     )
             try:
                 (entries,) = self._score_chunk(url, [expected], first_index=0)
@@ -161,13 +189,23 @@ class VLLMServerTeacher:
             {"model": self.models.get(url, ""), "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
              "prompt_logprobs": self.topk},
         )
-        choices = sorted(answer.get("choices", []), key=lambda choice: choice["index"])
-        if [choice["index"] for choice in choices] != list(range(len(sequences))):
+        with _reading(url, "/v1/completions", answer):
+            choices = sorted(answer.get("choices", []), key=lambda choice: choice["index"])
+            indices = [choice["index"] for choice in choices]
+        if indices != list(range(len(sequences))):
             raise TeacherServerError(
                 f"Teacher server {url} answered {len(choices)} choices for {len(sequences)} sequences "
                 f"(sequences {first_index}..{first_index + len(sequences) - 1})."
             )
-        return [choice.get("prompt_logprobs") for choice in choices]
+        entries = [choice.get("prompt_logprobs") for choice in choices]
+        for i, sequence_entries in enumerate(entries):
+            if sequence_entries is not None and not (isinstance(sequence_entries, list) and all(
+                    entry is None or isinstance(entry, dict) for entry in sequence_entries)):
+                raise TeacherServerError(
+                    f"Teacher server {url}: sequence {first_index + i} came back with prompt_logprobs that are not a "
+                    f"list of per-position objects: {str(sequence_entries)[:200]!r}."
+                )
+        return entries
 
     def _check_fits(self, url: str, prompt_length: int, completion_length: int, *, index: int) -> None:
         """Raise if a sequence is too long for the server at `url` (it keeps one position for an output token)."""
@@ -242,8 +280,8 @@ def _read_entries(entries, prompt: list[int], completion: list[int], *, index: i
     for position, token in enumerate(completion, start=len(prompt)):
         entry = entries[position] or {}
         scored = entry.get(str(token))
-        logprob = None if scored is None else scored.get("logprob")
-        if logprob is None or not math.isfinite(logprob):
+        logprob = scored.get("logprob") if isinstance(scored, dict) else None
+        if not _is_number(logprob) or not math.isfinite(logprob):
             raise TeacherServerError(
                 f"Teacher server {url}: sequence {index}, completion position {position - len(prompt)} (token "
                 f"{token}) has log-prob {logprob!r}: expected a finite number."
@@ -257,11 +295,32 @@ def _read_entries(entries, prompt: list[int], completion: list[int], *, index: i
 
 def _top_entries(entry: dict, k: int, *, where: str) -> list[tuple[int, float]]:
     """The k most likely (token id, log-prob) pairs of one position's answer (the sampled token is there too)."""
-    pairs = sorted(((int(token), scored.get("logprob")) for token, scored in entry.items()),
-                   key=lambda pair: -pair[1] if pair[1] is not None else math.inf)[:k]
-    if len(pairs) < k or not all(logp is not None and math.isfinite(logp) for _, logp in pairs):
+    if not all(token.isdigit() and isinstance(scored, dict) and _is_number(scored.get("logprob"))
+               for token, scored in entry.items()):
+        raise TeacherServerError(
+            f"Teacher server {where}: the top tokens are not token ids with numeric log-probs: {str(entry)[:200]!r}."
+        )
+    pairs = sorted(((int(token), scored["logprob"]) for token, scored in entry.items()), key=lambda pair: -pair[1])[:k]
+    if len(pairs) < k or not all(math.isfinite(logp) for _, logp in pairs):
         raise TeacherServerError(
             f"Teacher server {where}: expected the {k} most likely tokens with finite log-probs, got {len(pairs)}. "
             f"Start the server with --max-logprobs {k} or more (trl-opd serve-teacher sets 20)."
         )
     return pairs
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@contextmanager
+def _reading(url: str, path: str, answer: dict):
+    """Within the block, an answer of the wrong shape (a missing key, a wrong type) is a TeacherServerError that names
+    the server, the endpoint and the start of the answer."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
+        raise TeacherServerError(
+            f"Teacher server {url} answered {path} with an unexpected shape ({type(error).__name__}: {error}): "
+            f"{str(answer)[:200]!r}. Is this URL a vLLM server?"
+        ) from None
