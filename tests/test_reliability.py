@@ -498,3 +498,20 @@ def test_chat_prompts_for_a_student_without_a_chat_template_are_refused_at_start
                                          r"template"):
         OPDTrainer(model=str(student), teacher_model=str(tiny / "teacher"), args=make_config(),
                    train_dataset=prompts, processing_class=student_tokenizer)
+
+
+def test_resuming_with_another_lora_rank_names_the_field(tiny, prompts, make_config):
+    from peft import LoraConfig
+
+    from trl_opd import OPDTrainer
+
+    def trainer(rank, **overrides):
+        return OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                          args=make_config(save_strategy="steps", save_steps=1, **overrides),
+                          peft_config=LoraConfig(r=rank, lora_alpha=8, target_modules="all-linear"))
+
+    trainer(4, max_steps=1).train()
+    with pytest.raises(ValueError, match=r"checkpoint-1 was trained with lora_r=4 \(adapter_config.json\), this run "
+                                         r"has 8: resume with the same lora_r"):
+        trainer(8, max_steps=2).train(resume_from_checkpoint=True)
+    trainer(4, max_steps=2).train(resume_from_checkpoint=True)  # the same settings resume

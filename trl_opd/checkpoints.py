@@ -81,3 +81,40 @@ def old_checkpoints(output_dir: str | Path, *, overwrite: bool) -> list[Path]:
             "true, which deletes its checkpoints), or choose another output_dir."
         )
     return sorted(p for p in output_dir.glob("checkpoint-*") if p.is_dir())
+
+
+# adapter_config.json field -> the recipe field that sets it
+_ADAPTER_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "target_modules": "lora_target_modules"}
+# config.json fields that decide the shape of every saved tensor
+_MODEL_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+
+
+def check_resume_matches(checkpoint, model) -> None:
+    """The checkpoint must have been saved by a run of this model and adapter: otherwise loading it fails with a raw
+    state-dict mismatch. `model` is the (unwrapped) student, PEFT or not; names the recipe field that differs."""
+    checkpoint = Path(checkpoint)
+    adapter_file = checkpoint / "adapter_config.json"
+    peft_config = getattr(model, "peft_config", {}).get("default")
+    if adapter_file.exists() != (peft_config is not None):
+        saved, now = ("a LoRA adapter", "full weights") if adapter_file.exists() else ("full weights", "a LoRA adapter")
+        raise ValueError(f"Checkpoint {checkpoint} holds {saved}, and this run trains {now} (use_peft): resume with "
+                         "the checkpoint's setting, or start a new run.")
+    if peft_config is not None:
+        saved = json.loads(adapter_file.read_text())
+        for field, option in _ADAPTER_FIELDS.items():
+            before, now = saved.get(field), getattr(peft_config, field, None)
+            if isinstance(before, list) or isinstance(now, (set, list)):
+                before, now = sorted(before or []), sorted(now or [])
+            if before != now:
+                raise ValueError(f"Checkpoint {checkpoint} was trained with {option}={before!r} ({adapter_file.name}), "
+                                 f"this run has {now!r}: resume with the same {option}, or start a new run.")
+        return
+    config_file = checkpoint / "config.json"
+    if config_file.exists():
+        saved = json.loads(config_file.read_text())
+        current = model.config.to_dict()
+        for field in _MODEL_FIELDS:
+            if field in saved and saved[field] != current.get(field):
+                raise ValueError(f"Checkpoint {checkpoint} holds a model with {field}={saved[field]!r} (config.json), "
+                                 f"this run's student has {current.get(field)!r}: resume with the same "
+                                 "model_name_or_path, or start a new run.")

@@ -20,7 +20,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
-from .checkpoints import old_checkpoints, resolve_resume
+from .checkpoints import check_resume_matches, old_checkpoints, resolve_resume
 from .checks import check_chat_template, check_model_files, check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
@@ -150,6 +150,7 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         if resume_from_checkpoint is None:
             self._claim_output_dir()
         else:
+            check_resume_matches(resume_from_checkpoint, self.accelerator.unwrap_model(self.model))
             self._token_count.restore(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
