@@ -515,3 +515,19 @@ def test_resuming_with_another_lora_rank_names_the_field(tiny, prompts, make_con
                                          r"has 8: resume with the same lora_r"):
         trainer(8, max_steps=2).train(resume_from_checkpoint=True)
     trainer(4, max_steps=2).train(resume_from_checkpoint=True)  # the same settings resume
+
+
+def test_held_out_accuracy_skips_samples_the_function_cannot_judge_as_training_does(tiny, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from trl_opd.evaluation import heldout_reverse_kl
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "student")
+    rows = [json.loads(line) for line in (tiny / "heldout.jsonl").read_text().splitlines()][:2]
+
+    def judge(completions, **kwargs):  # cannot judge the first sample, the second is right
+        return [None, 1.0]
+
+    metrics = heldout_reverse_kl(model, model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=4,
+                                 solutions=[r["answer"] for r in rows], accuracy_func=judge)
+    assert metrics["accuracy"] == 1.0  # training's nanmean; counting None as wrong gave 0.5
