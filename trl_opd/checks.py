@@ -158,6 +158,13 @@ def check_options_apply(args, *, has_rewards: bool) -> None:
                     f"{option} shapes the sampled-token term, which opd_coef=0 switches off (the default with "
                     f"opd_estimator={args.opd_estimator!r}). Set opd_coef > 0 to add that term, or remove the option."
                 )
+    if args.opd_divergence_beta != 1.0 and not dense_term:
+        raise ValueError(
+            f"opd_divergence_beta={args.opd_divergence_beta} chooses the dense term's divergence, and "
+            f"opd_estimator={args.opd_estimator!r} has none (or opd_dense_coef is 0). The sampled-token term is the "
+            "reverse KL's estimate from the student's own samples: a forward KL or JSD would need the teacher's "
+            "distribution, which only 'topk' and 'full' compare. Use one of those, or leave the beta at 1."
+        )
     if not has_rewards and args.opd_loss_coef != 1.0:
         raise ValueError(
             f"opd_loss_coef={args.opd_loss_coef} weighs the teacher against reward functions, and there are none: the "

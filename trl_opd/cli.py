@@ -252,7 +252,10 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
 
 EVAL_SUMMARY_METRICS = {"eval_accuracy": "accuracy", "eval_opd/reverse_kl": "reverse KL (sampled tokens)",
                         "eval_opd/reverse_kl_dense": "reverse KL (exact, full vocabulary)",
-                        "eval_opd/reverse_kl_topk": "reverse KL (top-k)"}
+                        "eval_opd/reverse_kl_topk": "reverse KL (top-k)",
+                        "eval_opd/forward_kl_dense": "forward KL (exact, full vocabulary)",
+                        "eval_opd/forward_kl_topk": "forward KL (top-k)",
+                        "eval_opd/jsd_dense": "JSD (exact, full vocabulary)", "eval_opd/jsd_topk": "JSD (top-k)"}
 
 
 def print_eval_summary(trainer) -> None:

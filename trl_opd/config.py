@@ -89,6 +89,16 @@ class OPDConfig(GRPOConfig):
             "choices": list(OPD_ESTIMATORS),
         },
     )
+    opd_divergence_beta: float = field(
+        default=1.0,
+        metadata={
+            "help": "Which divergence the dense term of 'topk' and 'full' is, with TRL's meaning of beta: 1 the "
+            "reverse KL(student || teacher), 0 the forward KL(teacher || student), in between the generalised "
+            "Jensen-Shannon divergence with mixture beta * teacher + (1 - beta) * student. The sampled-token term is "
+            "always the reverse KL (the student's own samples estimate it without importance weights), so a beta "
+            "other than 1 needs a dense term."
+        },
+    )
     opd_dense_coef: float = field(
         default=1.0,
         metadata={
@@ -277,6 +287,9 @@ class OPDConfig(GRPOConfig):
                 f"opd_objective='importance_sampling' removes the clipping of a clipped objective, but loss_type="
                 f"{self.loss_type!r} has none. Use one of {CLIPPED_LOSS_TYPES}, or opd_objective='clipped'."
             )
+        if not 0.0 <= self.opd_divergence_beta <= 1.0:
+            raise ValueError(f"opd_divergence_beta must be in [0, 1] (0 forward KL, 1 reverse KL), got "
+                             f"{self.opd_divergence_beta}.")
         for name in ("opd_coef", "opd_dense_coef", "opd_loss_coef", "kl_discount_factor", "teacher_temperature"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):

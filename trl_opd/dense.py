@@ -16,7 +16,7 @@ from accelerate.utils import is_peft_model
 from trl.models.utils import _ForwardRedirection
 
 from .heads import OutputHead, head_token_logps_and_entropy
-from .loss import dense_reverse_kl, dense_topk_reverse_kl
+from .loss import dense_divergence, dense_topk_divergence, divergence_name
 from .teachers.base import TeacherScores
 
 # inputs that GRPO's loss forward passes to a vision-language student: the lean path leaves those to GRPO
@@ -110,22 +110,24 @@ class DenseLossMixin:
         return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
     def _dense_loss(self, inputs, student_hidden, student) -> torch.Tensor:
-        """The reverse KL over the vocabulary ('full': exact; 'topk': the teacher's top-k plus a tail bucket) at
-        every completion position, normalised like GRPO's 'dapo' loss (by the generation batch's token count), so it
-        adds to the policy term on the same scale."""
+        """The divergence of `opd_divergence_beta` (the reverse KL by default) over the vocabulary ('full': exact;
+        'topk': the teacher's top-k plus a tail bucket) at every completion position, normalised like GRPO's 'dapo'
+        loss (by the generation batch's token count), so it adds to the policy term on the same scale."""
         mode = "train" if self.model.training else "eval"
         num_completion = inputs["completion_ids"].size(1)
         mask = inputs["action_mask"]  # the tokens the student sampled (see multiturn.action_mask)
         student_hidden, student_head = student_hidden[:, -num_completion - 1 : -1], self._student_head(student)
+        beta = self.args.opd_divergence_beta
         if "teacher_topk_ids" in inputs:
-            name = "opd/reverse_kl_topk"
-            per_token = dense_topk_reverse_kl(
-                student_hidden, student_head, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask
+            name = f"opd/{divergence_name(beta)}_topk"
+            per_token = dense_topk_divergence(
+                student_hidden, student_head, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask, beta=beta
             )  # (B, T)
         else:
-            name = "opd/reverse_kl_dense"
-            per_token = dense_reverse_kl(
-                student_hidden, student_head, inputs["teacher_hidden_states"], self.teacher.output_head, mask
+            name = f"opd/{divergence_name(beta)}_dense"
+            per_token = dense_divergence(
+                student_hidden, student_head, inputs["teacher_hidden_states"], self.teacher.output_head, mask,
+                beta=beta,
             )  # (B, T)
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":

@@ -76,7 +76,8 @@ def model_card(*, base_model: str, teacher: str, recipe: str | None, dataset: st
 def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset: str | None = None) -> Path:
     """Write README.md for what `trainer` saved in `output_dir`."""
     args = trainer.args
-    settings_names = ("opd_estimator", "opd_coef", "opd_dense_coef", "opd_topk", "opd_objective", "kl_discount_factor",
+    settings_names = ("opd_estimator", "opd_coef", "opd_dense_coef", "opd_divergence_beta", "opd_topk",
+                      "opd_objective", "kl_discount_factor",
                       "loss_type", "num_generations", "max_completion_length", "temperature", "teacher_temperature",
                       "learning_rate", "max_steps",
                       "per_device_train_batch_size", "gradient_accumulation_steps", "opd_loss_coef",

@@ -53,14 +53,19 @@ def discounted_future_sum(values: torch.Tensor, mask: torch.Tensor, *, gamma: fl
     return out
 
 
-def dense_reverse_kl(
+def dense_divergence(
     student_hidden: torch.Tensor,
     student_head: OutputHead,
     teacher_hidden: torch.Tensor,
     teacher_head: OutputHead,
     mask: torch.Tensor,
+    *,
+    beta: float = 1.0,
 ) -> torch.Tensor:
-    """Exact KL(pi_S(.|s_t) || pi_T(.|s_t)) over the whole vocabulary at each masked-in position, shape (B, T).
+    """The exact divergence between pi_S(.|s_t) and pi_T(.|s_t) over the whole vocabulary at each masked-in position,
+    shape (B, T); `beta` as TRL's: 1 the reverse KL(pi_S || pi_T), 0 the forward KL(pi_T || pi_S), in between the
+    generalised Jensen-Shannon divergence `beta KL(pi_T || m) + (1 - beta) KL(pi_S || m)`,
+    `m = beta pi_T + (1 - beta) pi_S`.
 
     From the final hidden states (B, T, H_s) and (B, T, H_t) and each model's output head (its scale, soft cap and
     temperature included), projected in tiles by TRL's chunked divergence kernel, so neither (positions, vocab) logits
@@ -71,14 +76,23 @@ def dense_reverse_kl(
 
     temperature, student_scale, teacher_scale = shared_temperature(student_head, teacher_head)
     valid = mask.bool()
-    kl, _ = ChunkedDivergenceFunction.apply(
+    divergence, _ = ChunkedDivergenceFunction.apply(
         student_hidden[valid], student_head.weight, student_head.bias,
         teacher_hidden[valid].to(student_hidden.device), teacher_head.weight, teacher_head.bias,
-        1.0,  # beta 1: the reverse KL, KL(student || teacher)
-        temperature, student_scale, student_head.softcap, teacher_scale, teacher_head.softcap,
+        float(beta), temperature, student_scale, student_head.softcap, teacher_scale, teacher_head.softcap,
     )
     # masked_scatter keeps the graph even when no position is valid
-    return kl.new_zeros(mask.shape).masked_scatter(valid, kl)
+    return divergence.new_zeros(mask.shape).masked_scatter(valid, divergence)
+
+
+def dense_reverse_kl(student_hidden, student_head, teacher_hidden, teacher_head, mask) -> torch.Tensor:
+    """`dense_divergence` with beta 1: the exact KL(pi_S || pi_T) at each masked-in position, (B, T)."""
+    return dense_divergence(student_hidden, student_head, teacher_hidden, teacher_head, mask, beta=1.0)
+
+
+def divergence_name(beta: float) -> str:
+    """The metric name of the divergence `beta` selects (TRL's meaning)."""
+    return "reverse_kl" if beta == 1.0 else "forward_kl" if beta == 0.0 else "jsd"
 
 
 def shared_temperature(student: OutputHead, teacher: OutputHead) -> tuple[float, float, float]:
@@ -100,32 +114,52 @@ def shared_temperature(student: OutputHead, teacher: OutputHead) -> tuple[float,
     )
 
 
-def dense_topk_reverse_kl(
+def dense_topk_divergence(
     student_hidden: torch.Tensor,
     student_head: OutputHead,
     teacher_topk_ids: torch.Tensor,
     teacher_topk_logps: torch.Tensor,
     mask: torch.Tensor,
+    *,
+    beta: float = 1.0,
 ) -> torch.Tensor:
-    """`topk_reverse_kl` at each masked-in position, shape (B, T), from the student's final hidden states (B, T, H),
+    """`topk_divergence` at each masked-in position, shape (B, T), from the student's final hidden states (B, T, H),
     its output head, and the teacher's top-k token ids and log-probs (B, T, k). Masked positions are 0; the gradient
     flows to the student's hidden states and head only."""
     valid = mask.bool()
     student_logps = head_token_logps(student_hidden[valid], student_head, teacher_topk_ids[valid])
-    kl = topk_reverse_kl(student_logps, teacher_topk_logps[valid].to(student_logps.device))
-    return kl.new_zeros(mask.shape).masked_scatter(valid, kl)
+    divergence = topk_divergence(student_logps, teacher_topk_logps[valid].to(student_logps.device), beta=beta)
+    return divergence.new_zeros(mask.shape).masked_scatter(valid, divergence)
 
 
-def topk_reverse_kl(student_topk_logps: torch.Tensor, teacher_topk_logps: torch.Tensor) -> torch.Tensor:
-    """KL(pi_S || pi_T) over k + 1 outcomes: the teacher's top-k tokens one by one, every other token as one tail
-    bucket. Inputs (..., k) are each model's log-probs of the teacher's top-k tokens; output (...).
+def dense_topk_reverse_kl(student_hidden, student_head, teacher_topk_ids, teacher_topk_logps, mask) -> torch.Tensor:
+    """`dense_topk_divergence` with beta 1, (B, T)."""
+    return dense_topk_divergence(student_hidden, student_head, teacher_topk_ids, teacher_topk_logps, mask, beta=1.0)
 
-    Merging tokens into a bucket can only lower a KL, so this is a lower bound on the full-vocabulary KL, equal to it
-    when the tail's two distributions are proportional. A tail mass rounded to 0 counts as 1e-7.
+
+def topk_divergence(student_topk_logps: torch.Tensor, teacher_topk_logps: torch.Tensor, *,
+                    beta: float = 1.0) -> torch.Tensor:
+    """The divergence `beta` selects (as in `dense_divergence`) over k + 1 outcomes: the teacher's top-k tokens one
+    by one, every other token as one tail bucket. Inputs (..., k) are each model's log-probs of the teacher's top-k
+    tokens; output (...).
+
+    Merging tokens into a bucket can only lower an f-divergence (KL and JSD alike), so this is a lower bound on the
+    full-vocabulary one, equal to it when the tail's two distributions are proportional. A tail mass rounded to 0
+    counts as 1e-7.
     """
     student = torch.cat([student_topk_logps, _tail_logp(student_topk_logps)], dim=-1)
     teacher = torch.cat([teacher_topk_logps, _tail_logp(teacher_topk_logps)], dim=-1)
-    return (student.exp() * (student - teacher)).sum(-1)
+    if beta == 1.0:
+        return (student.exp() * (student - teacher)).sum(-1)
+    if beta == 0.0:
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    mixture = torch.logaddexp(student + math.log(1 - beta), teacher + math.log(beta))
+    return (beta * teacher.exp() * (teacher - mixture) + (1 - beta) * student.exp() * (student - mixture)).sum(-1)
+
+
+def topk_reverse_kl(student_topk_logps: torch.Tensor, teacher_topk_logps: torch.Tensor) -> torch.Tensor:
+    """KL(pi_S || pi_T) over the teacher's top-k tokens and one tail bucket (`topk_divergence` with beta 1)."""
+    return topk_divergence(student_topk_logps, teacher_topk_logps, beta=1.0)
 
 
 def _tail_logp(topk_logps: torch.Tensor) -> torch.Tensor:
