@@ -108,3 +108,20 @@ def test_training_logs_the_chosen_divergence_and_it_is_the_loss(tiny, prompts, m
     assert math.isfinite(logged[metric]) and logged[metric] > 0
     assert logged["loss"] == pytest.approx(logged[metric], rel=1e-5)  # the dense term alone is the loss
     assert "opd/reverse_kl_dense" not in logged and "opd/reverse_kl_topk" not in logged
+
+
+def test_the_preflight_accepts_a_recipe_with_another_divergence(tiny, tmp_path, capsys):
+    # its reference pass uses the sampled estimator, which must not inherit the recipe's beta (refused there)
+    from pathlib import Path
+
+    from trl_opd import cli
+
+    smoke = str(Path(__file__).parents[1] / "recipes" / "smoke_cpu.yaml")
+    argv = ["check", "--config", smoke, "--model_name_or_path", str(tiny / "student"), "--teacher_model_name_or_path",
+            str(tiny / "teacher"), "--dataset_name", str(tiny / "train.jsonl"), "--output_dir", str(tmp_path / "x"),
+            "--opd_divergence_beta", "0.5"]
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_code.value.code == 0 and "opd/jsd_dense" in out
+    assert "reference as teacher: opd/reverse_kl = 0.000000 (OK, 0 as expected)" in out
