@@ -307,8 +307,8 @@ def test_dense_loss_is_the_kl_of_the_sampling_student_and_the_tempered_teacher(t
     # ran both at temperature 1, the same loss at teacher temperature 1 and 0.5.)
     trainer = OPDTrainer(
         model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
-        args=make_config(opd_estimator=estimator, opd_topk=len(tokenizer), max_steps=1,
-                         temperature=0.7, teacher_temperature=0.5),
+        args=make_config(opd_estimator=estimator, opd_topk=len(tokenizer) if estimator == "topk" else None,
+                         max_steps=1, temperature=0.7, teacher_temperature=0.5),
     )
     kls = _exact_kl_of_each_batch(trainer)
     trainer.train()
@@ -348,7 +348,8 @@ def test_soft_capped_models_are_distilled_on_their_own_distributions(tokenizer, 
     # (old main projected with the bare LM-head weight: a KL of ~0 here, and token log-probs off by tens of nats)
     trainer = OPDTrainer(
         model=str(softcapped_pair / "student"), teacher_model=str(softcapped_pair / "teacher"), train_dataset=prompts,
-        args=make_config(opd_estimator=estimator, opd_topk=len(tokenizer), max_steps=1),
+        args=make_config(opd_estimator=estimator, opd_topk=len(tokenizer) if estimator == "topk" else None,
+                         max_steps=1),
     )
     kls = _exact_kl_of_each_batch(trainer)
     logps, original = [], trainer._log_deferred_metrics

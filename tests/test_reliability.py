@@ -531,3 +531,16 @@ def test_held_out_accuracy_skips_samples_the_function_cannot_judge_as_training_d
     metrics = heldout_reverse_kl(model, model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=4,
                                  solutions=[r["answer"] for r in rows], accuracy_func=judge)
     assert metrics["accuracy"] == 1.0  # training's nanmean; counting None as wrong gave 0.5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(opd_estimator="sampled", opd_dense_coef=0.5),
+     r"opd_dense_coef=0.5 weighs the dense term .* opd_estimator='sampled' has none"),
+    (dict(opd_estimator="full", opd_topk=5), r"opd_topk=5 is the k of opd_estimator='topk', and this run uses 'full'"),
+], ids=["dense-coef-with-sampled", "topk-with-full"])
+def test_an_option_the_estimator_ignores_is_refused(tiny, prompts, make_config, overrides, message):
+    from trl_opd import OPDTrainer
+
+    with pytest.raises(ValueError, match=message):
+        OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                   args=make_config(**overrides))

@@ -143,7 +143,7 @@ def check_options_apply(args, *, has_rewards: bool) -> None:
     """Every OPD option set must act on this configuration: a run that ignores one, or has no signal to learn from,
     is refused before anything loads, never trained with healthy-looking metrics."""
     sampled_term = args.opd_coef != 0.0
-    dense_term = args.opd_estimator != "sampled" and args.opd_dense_coef != 0.0
+    dense_term = args.opd_estimator != "sampled" and args.opd_dense_coef != 0.0  # None resolves to 1.0 there
     if not (sampled_term or dense_term or has_rewards):
         raise ValueError(
             f"Nothing to learn from: opd_coef is 0 (no sampled-token term) and opd_estimator={args.opd_estimator!r} "

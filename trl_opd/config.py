@@ -99,18 +99,19 @@ class OPDConfig(GRPOConfig):
             "other than 1 needs a dense term."
         },
     )
-    opd_dense_coef: float = field(
-        default=1.0,
+    opd_dense_coef: float | None = field(
+        default=None,
         metadata={
-            "help": "Weight of the dense reverse-KL term of opd_estimator 'topk' or 'full'. Set opd_coef to 0 to "
-            "train on the dense term alone."
+            "help": "Weight of the dense term of opd_estimator 'topk' or 'full' (default 1.0 there). The 'sampled' "
+            "estimator has no dense term, so setting it there is an error."
         },
     )
-    opd_topk: int = field(
-        default=20,
+    opd_topk: int | None = field(
+        default=None,
         metadata={
-            "help": "k of opd_estimator='topk': how many of the teacher's most likely tokens per position the dense "
-            "term compares one by one. A served teacher must allow it (vLLM --max-logprobs; serve-teacher sets 20)."
+            "help": "k of opd_estimator='topk' (default 20): how many of the teacher's most likely tokens per "
+            "position the dense term compares one by one. A served teacher must allow it (vLLM --max-logprobs; "
+            "serve-teacher sets 20). Setting it with another estimator is an error."
         },
     )
     kl_discount_factor: float = field(
@@ -259,6 +260,20 @@ class OPDConfig(GRPOConfig):
         _check_estimator_source(self.opd_estimator, source)
         if self.opd_coef is None:
             self.opd_coef = 1.0 if self.opd_estimator == "sampled" else 0.0
+        if self.opd_estimator == "sampled" and self.opd_dense_coef is not None:
+            raise ValueError(
+                f"opd_dense_coef={self.opd_dense_coef} weighs the dense term of 'topk' and 'full', and "
+                "opd_estimator='sampled' has none. Scale the sampled term with opd_coef, or choose a dense estimator."
+            )
+        if self.opd_estimator != "topk" and self.opd_topk is not None:
+            raise ValueError(
+                f"opd_topk={self.opd_topk} is the k of opd_estimator='topk', and this run uses "
+                f"{self.opd_estimator!r}. Remove it, or set opd_estimator: topk."
+            )
+        if self.opd_estimator != "sampled" and self.opd_dense_coef is None:
+            self.opd_dense_coef = 1.0
+        if self.opd_estimator == "topk" and self.opd_topk is None:
+            self.opd_topk = 20
 
     def __getstate__(self) -> dict:
         """What pickling keeps, e.g. `training_args.bin` in the output directory and every checkpoint: no Hub token,
@@ -351,7 +366,7 @@ class OPDConfig(GRPOConfig):
         if self.opd_estimator is not None and self.opd_estimator not in OPD_ESTIMATORS:
             raise ValueError(f"opd_estimator must be one of {OPD_ESTIMATORS}, got {self.opd_estimator!r}.")
         _check_estimator_source(self.opd_estimator, self.teacher_source())
-        if self.opd_topk < 1:
+        if self.opd_topk is not None and self.opd_topk < 1:
             raise ValueError(f"opd_topk must be at least 1, got {self.opd_topk}.")
         if self.opd_reward_combination not in REWARD_COMBINATIONS:
             raise ValueError(

@@ -99,6 +99,8 @@ class DenseLossMixin:
     def _dense_weight(self) -> float:
         """The dense term's weight: `opd_dense_coef`, times `opd_loss_coef` when rewards are mixed in, so that one
         coefficient scales (or, at 0, switches off) the whole teacher signal."""
+        if self.args.opd_dense_coef is None:  # the sampled estimator: no dense term
+            return 0.0
         return self.args.opd_dense_coef * (self.args.opd_loss_coef if self.reward_funcs else 1.0)
 
     def _student_head(self, student) -> OutputHead:

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 # Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
 _REFERENCE_PASS = dict(
-    ref_as_teacher=True, opd_estimator="sampled", opd_coef=None, opd_divergence_beta=1.0,
+    ref_as_teacher=True, opd_estimator="sampled", opd_coef=None, opd_divergence_beta=1.0, opd_dense_coef=None,
+    opd_topk=None,
     teacher_model_name_or_path=None, teacher_server_url=None, teacher_is_student_base=False, teachers=None,
     teacher_adapter_name_or_path=None, teacher_temperature=1.0, teacher_system_prompt=None, teacher_prompt_column=None,
 )
