@@ -22,7 +22,8 @@ ROOT = Path(__file__).parents[1]
 SMOKE = str(ROOT / "recipes" / "smoke_cpu.yaml")
 ZERO3 = str(ROOT / "recipes" / "accelerate" / "zero3_cpu.yaml")
 STEPS = 3
-LOGGED = ("loss", "grad_norm", "opd/reverse_kl", "opd/reverse_kl_dense", "opd/reverse_kl_topk")
+LOGGED = ("loss", "grad_norm", "opd/reverse_kl", *(f"opd/{divergence}_{term}" for divergence in
+                                                   ("reverse_kl", "forward_kl", "jsd") for term in ("dense", "topk")))
 
 
 def _args(tiny, output_dir, *extra, teacher=None, student=None):
@@ -95,6 +96,14 @@ def test_the_default_estimator_under_zero3_is_full_with_a_dense_and_sampled_term
     two, one = _train_both_ways(lambda out: _args(tiny, out, "--use_peft", "false", "--opd_coef", "1.0"), tmp_path)
     sharded = _assert_same_training(two, one, dense_metric="opd/reverse_kl_dense")
     assert all(entry["loss"] > entry["opd/reverse_kl_dense"] for entry in sharded)  # both terms in the loss
+
+
+def test_another_divergence_under_zero3_matches_one_process(tiny, tmp_path):
+    # the generalised JSD runs TRL's kernel through a second pass over the vocabulary, forward and backward
+    two, one = _train_both_ways(
+        lambda out: _args(tiny, out, "--use_peft", "false", "--opd_divergence_beta", "0.5"), tmp_path
+    )
+    _assert_same_training(two, one, dense_metric="opd/jsd_dense")
 
 
 def test_a_student_with_tied_embeddings_under_zero3_matches_one_process(tiny, tmp_path):

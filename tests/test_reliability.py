@@ -1,16 +1,14 @@
 """Secrets never written or shown, and bad input refused early with the field or row named."""
 
 import json
-import threading
 import warnings
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from trl_opd import cli
 from trl_opd.teachers.vllm_server import TeacherServerError, VLLMServerTeacher
-from trl_opd.testing import free_port
+from trl_opd.testing import LoopbackHTTPServer, free_port
 
 ROOT = Path(__file__).parents[1]
 SMOKE_SERVED = str(ROOT / "recipes" / "smoke_cpu_served.yaml")
@@ -69,52 +67,6 @@ def test_a_server_error_never_shows_the_urls_credentials(tokenizer):
     assert PASSWORD not in str(error.value)
 
 
-class _EchoingHub:
-    """A Hub endpoint that refuses every request and echoes the token it was sent, as a careless proxy would."""
-
-    def __init__(self):
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self):
-                body = json.dumps({"error": f"token {self.headers.get('Authorization')} is not valid"}).encode()
-                self.send_response(401)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = do_PUT = do_HEAD = _reply
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
-class _RawServer:
-    """Answers every request with one fixed HTTP 200 body, whatever it is (HTML, nonsense JSON)."""
-
-    def __init__(self, body: bytes, content_type: str = "application/json"):
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = _reply
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 def _one_sequence():
     import torch
 
@@ -122,40 +74,40 @@ def _one_sequence():
     return prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids)
 
 
-@pytest.mark.parametrize("body, content_type, message", [
-    (b"<html><body>502 Bad Gateway</body></html>", "text/html", r"with HTTP 200 but not JSON: '<html>"),
-    (b'["not", "an", "object"]', "application/json", "with list JSON, expected an object"),
-    (b'{"choices": "nonsense"}', "application/json", r"answered /v1/completions with an unexpected shape"),
-    (b'{"choices": [{"index": 0, "prompt_logprobs": "x"}]}', "application/json", "not a list of per-position"),
+def _answering(body: bytes) -> LoopbackHTTPServer:
+    """A server answering every request with HTTP 200 and `body`, whatever it is (HTML, nonsense JSON)."""
+    return LoopbackHTTPServer(lambda path, headers, request: (200, body))
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"<html><body>502 Bad Gateway</body></html>", r"with HTTP 200 but not JSON: '<html>"),
+    (b'["not", "an", "object"]', "with list JSON, expected an object"),
+    (b'{"choices": "nonsense"}', r"answered /v1/completions with an unexpected shape"),
+    (b'{"choices": [{"index": 0, "prompt_logprobs": "x"}]}', "not a list of per-position"),
     (b'{"choices": [{"index": 0, "prompt_logprobs": [null, {}, {"7": {"logprob": "-0.5"}}, {}]}]}',
-     "application/json", r"token 7\) has log-prob '-0.5': expected a finite number"),
+     r"token 7\) has log-prob '-0.5': expected a finite number"),
     (b'{"choices": [{"index": 0, "prompt_logprobs": [null, {}, {"7": {"logprob": -0.5}, "tok": 1}, '
-     b'{"8": {"logprob": -1.0}}]}]}', "application/json", "top tokens are not token ids with numeric log-probs"),
+     b'{"8": {"logprob": -1.0}}]}]}', "top tokens are not token ids with numeric log-probs"),
 ], ids=["html", "list", "choices", "entries", "string-logprob", "top-entries"])
-def test_a_malformed_answer_is_an_error_naming_the_server(body, content_type, message):
-    server = _RawServer(body, content_type)
-    try:
-        with pytest.raises(TeacherServerError, match=message) as error:
-            VLLMServerTeacher(server.url, topk=1 if b"tok" in body else 0).score(*_one_sequence())
-    finally:
-        server.server.shutdown()
+def test_a_malformed_answer_is_an_error_naming_the_server(body, message):
+    with _answering(body) as server, pytest.raises(TeacherServerError, match=message) as error:
+        VLLMServerTeacher(server.url, topk=1 if b"tok" in body else 0).score(*_one_sequence())
     assert server.url in str(error.value)
 
 
 def test_a_malformed_models_answer_at_start_up_names_the_server(tokenizer):
-    server = _RawServer(b'{"data": []}')
-    try:
-        with pytest.raises(TeacherServerError, match=r"answered /v1/models with an unexpected shape \(IndexError"):
-            VLLMServerTeacher(server.url).connect(tokenizer, student_name="s")
-    finally:
-        server.server.shutdown()
+    with _answering(b'{"data": []}') as server, pytest.raises(
+            TeacherServerError, match=r"answered /v1/models with an unexpected shape \(IndexError"):
+        VLLMServerTeacher(server.url).connect(tokenizer, student_name="s")
 
 
 def test_push_errors_mask_a_token_from_the_environment(tiny, tmp_path, monkeypatch, capfd):
     import huggingface_hub.constants
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hub = _EchoingHub()
+    # a Hub endpoint that refuses every request and echoes the token it was sent, as a careless proxy would
+    hub = LoopbackHTTPServer(lambda path, headers, body: (401, {"error": f"token {headers.get('Authorization')} "
+                                                                          "is not valid"}))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
@@ -167,7 +119,7 @@ def test_push_errors_mask_a_token_from_the_environment(tiny, tmp_path, monkeypat
         with pytest.raises(SystemExit, match=r"(?s)Could not push .* \(.*401.*Bearer \*\*\* is not valid") as error:
             cli.main(["push", str(model_dir), "--repo-id", "me/x"])
     finally:
-        hub.server.shutdown()
+        hub.close()
     captured = capfd.readouterr()
     assert TOKEN not in str(error.value) + captured.out + captured.err
 
@@ -403,50 +355,21 @@ def test_held_out_kl_ends_each_completion_at_any_stop_id_as_training_does(tiny, 
     assert torch.isfinite(torch.tensor(metrics["reverse_kl_exact"]))
 
 
-class _FakeVLLM:
-    """Just enough of vLLM's API for the start-up check: /health, /v1/models, and /tokenize by `tokenizer`, except
-    for the strings in `misread`, which it reads as other ids."""
-
-    def __init__(self, tokenizer, misread: dict[str, list[int]]):
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self):
-                payload = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                if self.path == "/v1/models":
-                    body = {"data": [{"id": "fake", "max_model_len": 4096}]}
-                elif self.path == "/tokenize":
-                    text = payload["prompt"]
-                    body = {"tokens": misread.get(text) or tokenizer(text, add_special_tokens=False)["input_ids"]}
-                elif self.path == "/health":
-                    body = {}
-                else:
-                    self.send_response(500)
-                    self.end_headers()
-                    return
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = _reply
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 def test_a_server_reading_a_chat_marker_as_other_ids_is_refused_at_start_up(tokenizer):
     # <|im_start|> is neither bos nor eos: a server whose tokenizer lacks it (another model family's template) splits it
-    server = _FakeVLLM(tokenizer, misread={"<|im_start|>": [60, 61, 62]})
-    try:
-        with pytest.raises(ValueError, match=r"does not read the student's special token '<\|im_start\|>' as id 1 "
-                                             r"\(it reads \[60, 61, 62\]\)"):
-            VLLMServerTeacher(server.url, max_retries=0).connect(tokenizer, student_name="student")
-    finally:
-        server.server.shutdown()
+    def vllm(path, headers, body):  # just enough of vLLM's API for the start-up check
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "fake", "max_model_len": 4096}]}
+        if path == "/tokenize":
+            text = body["prompt"]
+            tokens = [60, 61, 62] if text == "<|im_start|>" else tokenizer(text, add_special_tokens=False)["input_ids"]
+            return 200, {"tokens": tokens}
+        return (200, {}) if path == "/health" else (500, {})
+
+    with LoopbackHTTPServer(vllm) as server, pytest.raises(
+            ValueError, match=r"does not read the student's special token '<\|im_start\|>' as id 1 "
+                              r"\(it reads \[60, 61, 62\]\)"):
+        VLLMServerTeacher(server.url, max_retries=0).connect(tokenizer, student_name="student")
 
 
 def test_damaged_weight_files_are_named_before_loading(tiny, prompts, make_config, tmp_path):

@@ -2,8 +2,6 @@
 
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from trl_opd.serve import vllm_command
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
 from trl_opd.teachers.vllm_server import TeacherServerError, VLLMServerTeacher
-from trl_opd.testing import free_port
+from trl_opd.testing import LoopbackHTTPServer, free_port
 
 
 def _padded_batch(seed=0):
@@ -205,44 +203,14 @@ def test_student_with_another_tokenizer_is_refused_at_start_up(teacher_server, p
 # ------------------------------------------------------------------------------------ faults, from a fake server
 
 
-class _FakeServer:
-    """Answers each request with the next canned (status, body); records requests and headers."""
-
-    def __init__(self, answers):
-        self.answers, self.requests = list(answers), []
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                fake.requests.append((self.path, dict(self.headers), self.rfile.read(length)))
-                status, body = fake.answers.pop(0) if len(fake.answers) > 1 else fake.answers[0]
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = _reply
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def fake_server():
     servers = []
 
     def make(*answers):
-        servers.append(_FakeServer(answers))
+        """A server answering each request with the next canned (status, body), the last one from then on."""
+        queue = list(answers)
+        servers.append(LoopbackHTTPServer(lambda path, headers, body: queue.pop(0) if len(queue) > 1 else queue[0]))
         return servers[-1]
 
     yield make

@@ -23,10 +23,12 @@ def is_complete(checkpoint: str | Path) -> bool:
     return True
 
 
-def last_complete_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest whole `checkpoint-N` under `output_dir`, or None."""
+def last_complete_checkpoint(output_dir: str | Path, *, before: int | None = None) -> str | None:
+    """The newest whole `checkpoint-N` under `output_dir` (with N < `before`, if given), or None."""
     found = [(int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*") if (m := _CHECKPOINT.match(p.name))]
-    for _, path in sorted(found, reverse=True):
+    for step, path in sorted(found, reverse=True):
+        if before is not None and step >= before:
+            continue
         if path.is_dir() and is_complete(path):
             return str(path)
     return None
@@ -59,10 +61,8 @@ def _check_checkpoint_weights(checkpoint) -> None:
     try:
         check_weight_files(checkpoint, role="checkpoint's")
     except ValueError as error:
-        step = int(_CHECKPOINT.match(Path(checkpoint).name).group(1)) if _CHECKPOINT.match(Path(checkpoint).name) else 0
-        earlier = [p for p in Path(checkpoint).parent.glob("checkpoint-*")
-                   if (m := _CHECKPOINT.match(p.name)) and int(m.group(1)) < step and is_complete(p)]
-        previous = max(earlier, key=lambda p: int(p.name.split("-")[1]), default=None)
+        named = _CHECKPOINT.match(Path(checkpoint).name)
+        previous = last_complete_checkpoint(Path(checkpoint).parent, before=int(named.group(1)) if named else 0)
         raise ValueError(f"{error} Checkpoint {checkpoint} cannot be resumed; the newest complete one before it is "
                          f"{previous}.") from None
 

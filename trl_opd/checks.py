@@ -232,9 +232,9 @@ def check_model_files(model, teacher_model, args) -> None:
     check_weight_files(args.teacher_adapter_name_or_path, role="teacher adapter")
 
 
-def check_chat_template(tokenizer, dataset, *, name: str, chat_template_given: bool = False) -> None:
+def check_chat_template(tokenizer, dataset, *, name: str) -> None:
     """Chat prompts need a chat template to render them, which a base model's tokenizer may not have."""
-    if chat_template_given or getattr(tokenizer, "chat_template", None) or dataset is None:
+    if getattr(tokenizer, "chat_template", None) or dataset is None:
         return
     try:
         first = next(iter(dataset))["prompt"]
@@ -242,11 +242,8 @@ def check_chat_template(tokenizer, dataset, *, name: str, chat_template_given: b
         return
     if isinstance(first, list):
         raise ValueError(
-            f"{name}'s prompts are chat messages, but the student's tokenizer ({name_of(tokenizer)}) has no chat "
+            f"{name}'s prompts are chat messages, but the student's tokenizer "
+            f"({getattr(tokenizer, 'name_or_path', None) or type(tokenizer).__name__}) has no chat "
             "template to render them. Use an instruction-tuned student, give the tokenizer a chat_template, or use "
             "text prompts (prompt_as_user_message: false with a text column)."
         )
-
-
-def name_of(tokenizer) -> str:
-    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__

@@ -250,12 +250,12 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
     return trainer
 
 
-EVAL_SUMMARY_METRICS = {"eval_accuracy": "accuracy", "eval_opd/reverse_kl": "reverse KL (sampled tokens)",
-                        "eval_opd/reverse_kl_dense": "reverse KL (exact, full vocabulary)",
-                        "eval_opd/reverse_kl_topk": "reverse KL (top-k)",
-                        "eval_opd/forward_kl_dense": "forward KL (exact, full vocabulary)",
-                        "eval_opd/forward_kl_topk": "forward KL (top-k)",
-                        "eval_opd/jsd_dense": "JSD (exact, full vocabulary)", "eval_opd/jsd_topk": "JSD (top-k)"}
+EVAL_SUMMARY_METRICS = {
+    "eval_accuracy": "accuracy", "eval_opd/reverse_kl": "reverse KL (sampled tokens)",
+    **{f"eval_opd/{divergence}_{term}": f"{label} ({'exact, full vocabulary' if term == 'dense' else 'top-k'})"
+       for divergence, label in (("reverse_kl", "reverse KL"), ("forward_kl", "forward KL"), ("jsd", "JSD"))
+       for term in ("dense", "topk")},
+}
 
 
 def print_eval_summary(trainer) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from .secrets import has_credentials, masked
+from .teachers.vllm_server import check_server_address, is_served
 
 OPD_OBJECTIVES = ("clipped", "importance_sampling")
 REWARD_COMBINATIONS = ("loss", "advantage")
@@ -231,8 +231,6 @@ class OPDConfig(GRPOConfig):
     def teacher_source(self, teacher_model=None) -> str | None:
         """Where the teacher's scores come from, whichever way it was named: 'local', 'served', 'reference',
         'student_base' or 'routed'; None while no source is known. `teacher_model` is what the trainer was given."""
-        from .teachers.vllm_server import is_served
-
         if self.ref_as_teacher:
             return "reference"
         if self.teacher_is_student_base:
@@ -338,7 +336,7 @@ class OPDConfig(GRPOConfig):
             named[f"teachers[{name!r}]"] = source if isinstance(source, list) else [source]
         for option, values in named.items():
             for value in values:
-                _check_teacher_address(option, value)
+                check_server_address(option, value)
         urls = [value for values in named.values() for value in values]
         if any(has_credentials(url) for url in urls):
             warnings.warn(
@@ -376,28 +374,6 @@ class OPDConfig(GRPOConfig):
             raise ValueError(f"teacher_temperature must be positive, got {self.teacher_temperature}.")
         if self.teacher_batch_size is not None and self.teacher_batch_size < 1:
             raise ValueError(f"teacher_batch_size must be a positive integer, got {self.teacher_batch_size}.")
-
-
-# host:port with no scheme (a server address missing its http://), and a scheme other than http(s)
-_BARE_ADDRESS = re.compile(r"^(localhost|\d{1,3}(\.\d{1,3}){3}|[\w-]+(\.[\w-]+)+|\[[0-9a-fA-F:]+\]):\d+(/.*)?$")
-_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-
-
-def _check_teacher_address(option: str, value) -> None:
-    """A teacher named as a server must be an http(s) URL; a path or Hub id is not checked here."""
-    if not isinstance(value, str):
-        return
-    scheme = _SCHEME.match(value)
-    if scheme and scheme.group(1).lower() not in ("http", "https"):
-        raise ValueError(
-            f"{option} {masked(value)!r} uses the scheme {scheme.group(1)!r}: teacher servers are reached over "
-            "http:// or https://."
-        )
-    if not scheme and _BARE_ADDRESS.match(value):
-        raise ValueError(
-            f"{option} {masked(value)!r} looks like a server address without its scheme: write "
-            f"'http://{masked(value)}' (or https://). As written it would be read as a model path or Hub id."
-        )
 
 
 # The teacher sources that can provide each dense estimator's teacher side

@@ -327,3 +327,53 @@ class TeacherServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class LoopbackHTTPServer:
+    """An HTTP server on 127.0.0.1 for injecting server faults in tests. Every request is recorded in `requests` as
+    (path, headers, body parsed as JSON where it is JSON) and answered by `respond(path, headers, body)`, which
+    returns (status, answer): bytes are sent as they are, anything else as JSON. Close it, or use it as a context
+    manager."""
+
+    def __init__(self, respond):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, dict, object]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    body = json.loads(raw) if raw else None
+                except ValueError:
+                    body = raw
+                server.requests.append((self.path, dict(self.headers), body))
+                status, answer = respond(self.path, self.headers, body)  # headers: case-insensitive
+                data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+                self.send_response(status)
+                if not isinstance(answer, bytes):
+                    self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_HEAD = _reply
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -8,8 +8,6 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
-import math
-import shutil
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,7 +18,6 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
-from .checkpoints import check_resume_matches, old_checkpoints, resolve_resume
 from .checks import check_chat_template, check_model_files, check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
@@ -28,6 +25,7 @@ from .loss import opd_advantages, shared_temperature
 from .metrics import OPDMetricsMixin, wrapped_logps_call
 from .multiturn import action_mask
 from .prompts import teacher_prompt
+from .runs import RunSafetyMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.loading import load_teachers
 from .teachers.local import freeze_teacher
@@ -45,7 +43,7 @@ def _teacher_only(**kwargs):
     raise AssertionError("OPDTrainer removes this placeholder reward function before training.")
 
 
-class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
+class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
 
     Args:
@@ -142,26 +140,6 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         self.accuracy_func = accuracy_func
         self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()
-
-    def train(self, resume_from_checkpoint=None, **kwargs):
-        """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint, skipping one whose save was
-        interrupted (the Trainer would take the newest directory, whole or not)."""
-        resume_from_checkpoint = resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        if resume_from_checkpoint is None:
-            self._claim_output_dir()
-        else:
-            check_resume_matches(resume_from_checkpoint, self.accelerator.unwrap_model(self.model))
-            self._token_count.restore(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-
-    def _claim_output_dir(self) -> None:
-        """A new run starts in an empty output_dir, or in a used one only with `overwrite_output_dir` (see
-        `old_checkpoints`), whose checkpoints the main process deletes first."""
-        stale = old_checkpoints(self.args.output_dir, overwrite=self.args.overwrite_output_dir)
-        if self.accelerator.is_main_process:
-            for checkpoint in stale:
-                shutil.rmtree(checkpoint)
-        self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------ set-up
 
@@ -339,35 +317,6 @@ class OPDTrainer(OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         return self._no_grad_logps(self.model, input_ids, attention_mask, completion_ids.size(1))
-
-    def _check_finite(self, teacher_logps, old_logps, mask) -> None:
-        """Fail, on every rank at once, if any scored token has a NaN/inf log-prob: never train on it silently."""
-        mask = mask.bool()
-        bad_old = mask.new_zeros(()) if old_logps is None else (~torch.isfinite(old_logps) & mask).sum()
-        counts = torch.stack([(~torch.isfinite(teacher_logps) & mask).sum(), bad_old, mask.sum()])
-        bad_teacher, bad_student, total = self.accelerator.reduce(counts, reduction="sum").tolist()
-        if bad_teacher or bad_student:
-            raise FloatingPointError(
-                f"Step {self.state.global_step}: non-finite log-probs on sampled tokens (teacher: {bad_teacher}, "
-                f"student: {bad_student}, of {total}). Training stopped rather than learn from them; the last "
-                "checkpoint is intact. Check the teacher's dtype (float16 overflows) and its weights."
-            )
-
-    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
-        """Stop, on every rank at once, at the first non-finite loss or gradient norm: before this step's logs and
-        checkpoint, so every checkpoint already saved is one of a finite run."""
-        bad = torch.stack([(~torch.isfinite(tr_loss)).any().float(),
-                           torch.tensor(float(grad_norm is not None and not math.isfinite(float(grad_norm))),
-                                        device=tr_loss.device)])
-        bad_loss, bad_norm = self.accelerator.reduce(bad, reduction="sum").tolist()
-        if bad_loss or bad_norm:
-            raise FloatingPointError(
-                f"Step {self.state.global_step}: the {'loss' if bad_loss else 'gradient norm'} is not finite; "
-                "training stopped before saving this step (earlier checkpoints are intact). Likely causes: a learning "
-                "rate too high for this model, float16 overflow (use bf16 or float32), or a teacher that gives "
-                "probability 0 to sampled tokens (check opd/teacher_logp)."
-            )
-        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     # ------------------------------------------------------------------ loss
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 import requests
 import torch
 
-from ..secrets import mask_urls
+from ..secrets import mask_urls, masked
 from .base import TeacherScores
 
 # A probe that exercises words, digits, punctuation and whitespace, for the tokenizer comparison
@@ -28,6 +29,28 @@ _TOKENIZER_PROBE = "Distil: 12 + 7 = 19, isn't it?\n  The answer is 19."
 
 def is_server_url(name) -> bool:
     return isinstance(name, str) and name.startswith(("http://", "https://"))
+
+
+# host:port with no scheme (a server address missing its http://), and a scheme other than http(s)
+_BARE_ADDRESS = re.compile(r"^(localhost|\d{1,3}(\.\d{1,3}){3}|[\w-]+(\.[\w-]+)+|\[[0-9a-fA-F:]+\]):\d+(/.*)?$")
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+def check_server_address(option: str, value) -> None:
+    """A teacher named as a server must be an http(s) URL; a path or Hub id is not checked here."""
+    if not isinstance(value, str):
+        return
+    scheme = _SCHEME.match(value)
+    if scheme and scheme.group(1).lower() not in ("http", "https"):
+        raise ValueError(
+            f"{option} {masked(value)!r} uses the scheme {scheme.group(1)!r}: teacher servers are reached over "
+            "http:// or https://."
+        )
+    if not scheme and _BARE_ADDRESS.match(value):
+        raise ValueError(
+            f"{option} {masked(value)!r} looks like a server address without its scheme: write "
+            f"'http://{masked(value)}' (or https://). As written it would be read as a model path or Hub id."
+        )
 
 
 def is_served(source) -> bool:
