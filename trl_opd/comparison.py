@@ -19,8 +19,11 @@ from pathlib import Path
 
 from .evaluation import HeldoutReverseKLCallback
 
-# "opd": OPDTrainer's defaults (here the full-vocabulary reverse KL); "opd-sampled": the sampled-token advantage alone
-METHODS = ("opd", "opd-sampled", "trl-distillation", "grpo", "sft")
+METHODS = ("opd", "opd-forward-kl", "opd-jsd", "opd-sampled", "trl-distillation", "grpo", "sft")
+# OPDTrainer's settings per OPD method: its defaults (the full-vocabulary reverse KL here), the same term with another
+# divergence (TRL's beta: 0 forward KL, 0.5 the generalised JSD halfway), and the sampled-token estimator
+_OPD_SETTINGS = {"opd": {}, "opd-forward-kl": {"opd_divergence_beta": 0.0}, "opd-jsd": {"opd_divergence_beta": 0.5},
+                 "opd-sampled": {"opd_estimator": "sampled"}}
 
 
 class _GeneratedTokens:
@@ -67,6 +70,21 @@ def _teacher_answers(teacher, tokenizer, prompts: list, *, max_new_tokens: int, 
     return [[{"role": "assistant", "content": t}] for t in texts], lengths
 
 
+def describe_machine() -> str:
+    """The CPU benchmarks ran on, as a table caption names it: "2-core AMD EPYC" (torch picks different kernels on
+    different CPUs, so trajectories differ from one to another)."""
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith("model name")]
+        model = names[0] if names else model
+    return f"{os.cpu_count()}-core {model}"
+
+
 def task_inputs(task_dir: str | Path) -> dict:
     """`run_method`'s model and data arguments for a task directory built by `make_tiny_task`."""
     from datasets import load_dataset
@@ -106,10 +124,9 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
         if method.startswith("opd"):
             from . import OPDConfig, OPDTrainer
 
-            estimator = {"opd-sampled": "sampled"}.get(method)
             trainer = OPDTrainer(model=student, teacher_model=teacher, train_dataset=prompts,
                                  processing_class=tokenizer,
-                                 args=OPDConfig(num_generations=1, opd_estimator=estimator, **generation, **common))
+                                 args=OPDConfig(num_generations=1, **_OPD_SETTINGS[method], **generation, **common))
         elif method == "trl-distillation":
             from trl import DistillationConfig, DistillationTrainer
 
@@ -154,8 +171,9 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
 
 
 def summarize(runs: list[dict], *, target: float) -> dict[str, dict]:
-    """Per method, means over seeds: final accuracy and KL, seconds per step, and the generated tokens, steps and
-    training seconds at which held-out accuracy first reached `target` (None if it did not)."""
+    """Per method, means over seeds: final accuracy and KL (with their ranges over seeds), seconds per step, and the
+    generated tokens, steps and training seconds at which held-out accuracy first reached `target` (None if it did
+    not)."""
     import statistics
 
     def first_reaching(run: dict, key: str):
@@ -165,8 +183,12 @@ def summarize(runs: list[dict], *, target: float) -> dict[str, dict]:
     for method in dict.fromkeys(run["method"] for run in runs):
         group = [run for run in runs if run["method"] == method]
         reached = [first_reaching(run, "generated_tokens") for run in group]
+        accuracy = [run["history"][-1]["accuracy"] for run in group]
+        reverse_kl = [run["history"][-1]["reverse_kl_exact"] for run in group]
         row = {
             "seeds": len(group),
+            "accuracy_range": (min(accuracy), max(accuracy)),
+            "reverse_kl_range": (min(reverse_kl), max(reverse_kl)),
             "accuracy": statistics.mean(run["history"][-1]["accuracy"] for run in group),
             "accuracy_before": statistics.mean(run["history"][0]["accuracy"] for run in group),
             "reverse_kl": statistics.mean(run["history"][-1]["reverse_kl_exact"] for run in group),
