@@ -2,12 +2,13 @@
 
 Same tiny pair, prompts, steps, batch and learning rate for every method; full fine-tuning. Methods: OPD with the
 sampled-token estimator; with the top-k (k = 1, 5, 20) or full-vocabulary dense term alone (`opd_coef` 0); with the
-top-20 or full term added to the sampled one ("+sampled"); and TRL's DistillationTrainer with beta 1 (reverse KL).
+top-20 or full term added to the sampled one ("+sampled"); the top-20 and full terms as the forward KL and the full
+term as the JSD (`opd_divergence_beta` 0 and 0.5); and TRL's DistillationTrainer with beta 1 (reverse KL).
 Runs are interleaved (every method once per seed, in turn) so that slow phases of a shared machine hit each method
-alike. Held-out KL is measured
-by `trl_opd.evaluation` (exact full-vocabulary KL(student || teacher) at student-sampled states on 32 held-out prompts
-x 2 samples), not by any trainer's logged number. Each run is its own process, so peak RSS is per run. Two gaps: the
-`make-tiny` student ("wide") and the same student trained 4x longer ("narrow").
+alike. Held-out KL is measured by `trl_opd.evaluation` (the exact full-vocabulary KL(student || teacher), and the
+forward KL(teacher || student), at student-sampled states on 32 held-out prompts x 2 samples), not by any trainer's
+logged number. Each run is its own process, so peak RSS is per run. Two gaps: the `make-tiny` student ("wide") and
+the same student trained 4x longer ("narrow").
 
     .venv/bin/python benchmarks/estimators.py --steps 60 --seeds 0 1 2
 """
@@ -35,6 +36,10 @@ METHODS = {
     "opd-full": {"opd_estimator": "full", "opd_coef": 0.0},
     "opd-topk20+sampled": {"opd_estimator": "topk", "opd_topk": 20, "opd_coef": 1.0},
     "opd-full+sampled": {"opd_estimator": "full", "opd_coef": 1.0},
+    # other divergences (TRL's beta: 0 forward KL, 0.5 the generalised JSD halfway)
+    "opd-topk20-forward-kl": {"opd_estimator": "topk", "opd_topk": 20, "opd_coef": 0.0, "opd_divergence_beta": 0.0},
+    "opd-full-forward-kl": {"opd_estimator": "full", "opd_coef": 0.0, "opd_divergence_beta": 0.0},
+    "opd-full-jsd": {"opd_estimator": "full", "opd_coef": 0.0, "opd_divergence_beta": 0.5},
     "trl-distillation": None,
 }
 
@@ -97,7 +102,7 @@ def one_run(method: str, student: str, tiny: Path, seed: int, steps: int) -> dic
         evaluate = lambda: heldout_reverse_kl(  # noqa: E731
             trainer.model, teacher, trainer.processing_class, heldout, max_new_tokens=24, samples_per_prompt=2,
             seed=1234,
-        )["reverse_kl_exact"]
+        )
         before = evaluate()
         clock = _step_clock()
         trainer.add_callback(clock)
@@ -105,7 +110,9 @@ def one_run(method: str, student: str, tiny: Path, seed: int, steps: int) -> dic
         trainer.train()
         after = evaluate()
     times = clock.times
-    return {"method": method, "seed": seed, "kl_before": before, "kl_after": after,
+    return {"method": method, "seed": seed, "kl_before": before["reverse_kl_exact"],
+            "kl_after": after["reverse_kl_exact"], "forward_kl_before": before["forward_kl_exact"],
+            "forward_kl_after": after["forward_kl_exact"],
             "seconds_per_step": (times[-1] - times[WARMUP_STEPS - 1]) / (len(times) - WARMUP_STEPS),
             "warmup_seconds": times[WARMUP_STEPS - 1] - start,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -141,19 +148,28 @@ def main() -> None:
                 results.append({"gap": gap, **result})
                 print(json.dumps(results[-1]), file=sys.stderr)
 
-    print(f"\n{args.steps} steps, batch 16, lr 1e-3, full fine-tune; mean over seeds {args.seeds}; s/step after "
-          f"{WARMUP_STEPS} warm-up steps; {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}\n")
-    print("| gap | method | held-out KL before -> after | reduction | s/step | s/step vs TRL | first "
-          f"{WARMUP_STEPS} steps | peak RSS |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    from trl_opd.comparison import describe_machine
+
+    print(f"\n{args.steps} steps, batch 16, lr 1e-3, full fine-tune; mean (reduction: range) over seeds {args.seeds}; "
+          f"s/step after {WARMUP_STEPS} warm-up steps; {describe_machine()}, {time.strftime('%Y-%m-%d')}\n")
+    print("| gap | method | held-out KL before -> after | reduction | held-out forward KL before -> after | "
+          f"reduction | s/step | s/step vs TRL | first {WARMUP_STEPS} steps | peak RSS |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for gap in students:
         def mean(method, key, gap=gap):
             return statistics.mean(r[key] for r in results if r["gap"] == gap and r["method"] == method)
 
+        def reduction(method, key, gap=gap):
+            runs = [r for r in results if r["gap"] == gap and r["method"] == method]
+            # per run, 1 - after / before; its mean and range over seeds
+            average, low, high = (100 * (1 - f(r[f"{key}_after"] / r[f"{key}_before"] for r in runs))
+                                  for f in (statistics.mean, max, min))
+            before, after = (statistics.mean(r[f"{key}_{when}"] for r in runs) for when in ("before", "after"))
+            return f"{before:.3f} -> {after:.3f} | {average:.0f}% ({low:.0f}% to {high:.0f}%)"
+
         for method in args.methods:
-            before, after = mean(method, "kl_before"), mean(method, "kl_after")
             speed = mean(method, "seconds_per_step") / mean("trl-distillation", "seconds_per_step")
-            print(f"| {gap} | {method} | {before:.3f} -> {after:.3f} | {100 * (1 - after / before):.0f}% | "
+            print(f"| {gap} | {method} | {reduction(method, 'kl')} | {reduction(method, 'forward_kl')} | "
                   f"{mean(method, 'seconds_per_step'):.3f} | {speed:.2f}x | {mean(method, 'warmup_seconds'):.2f} s | "
                   f"{mean(method, 'peak_rss_mib'):.0f} MiB |")
     if args.json:

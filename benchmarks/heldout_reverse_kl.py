@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -72,8 +71,10 @@ def main() -> None:
             for seed in args.seeds
         ]
 
-    print(f"\nHeld-out KL(student || teacher), 32 prompts x 2 samples, mean over seeds {args.seeds}; "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}\n")
+    from trl_opd.comparison import describe_machine
+
+    print(f"\nHeld-out KL(student || teacher), 32 prompts x 2 samples, mean (range) over seeds {args.seeds}; "
+          f"{describe_machine()}, {time.strftime('%Y-%m-%d')}\n")
     print("| student | step | reverse KL (sampled) | reverse KL (exact) | change vs step 0 (exact) |")
     print("|---|---:|---:|---:|---:|")
     for name, runs in results.items():
@@ -81,8 +82,13 @@ def main() -> None:
         first = statistics.mean(r["history"][0][1]["reverse_kl_exact"] for r in runs)
         for i, step in enumerate(steps):
             sampled = statistics.mean(r["history"][i][1]["reverse_kl"] for r in runs)
-            exact = statistics.mean(r["history"][i][1]["reverse_kl_exact"] for r in runs)
-            print(f"| {name} | {step} | {sampled:.3f} | {exact:.3f} | {100 * (exact / first - 1):+.0f}% |")
+            values = [r["history"][i][1]["reverse_kl_exact"] for r in runs]
+            exact = statistics.mean(values)
+            # per seed, the change against its own step 0: its range over seeds
+            changes = [100 * (r["history"][i][1]["reverse_kl_exact"] / r["history"][0][1]["reverse_kl_exact"] - 1)
+                       for r in runs]
+            print(f"| {name} | {step} | {sampled:.3f} | {exact:.3f} ({min(values):.3f}-{max(values):.3f}) | "
+                  f"{100 * (exact / first - 1):+.0f}% ({min(changes):+.0f}% to {max(changes):+.0f}%) |")
         seconds = statistics.mean(r["seconds"] for r in runs)
         print(f"| {name} | train wall time | {seconds:.1f} s (incl. evaluations) | | |")
     if args.json:

@@ -1,6 +1,7 @@
 """The offline addition task: right worked answers, a held-out split no training set touches, a real teacher/student
 gap, and the demo recipe's held-out evaluation during training."""
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -11,7 +12,8 @@ from trl.rewards import accuracy_reward
 from trl_opd import cli
 from trl_opd.envs.addition import TASK_SETTINGS, addition_rows, is_heldout
 
-RECIPE = str(Path(__file__).parents[1] / "recipes" / "addition_cpu.yaml")
+ROOT = Path(__file__).parents[1]
+RECIPE = str(ROOT / "recipes" / "addition_cpu.yaml")
 
 
 def _pair(row) -> tuple[int, int]:
@@ -71,7 +73,8 @@ def test_teacher_is_far_better_than_the_student_on_heldout_prompts(tiny_task):
     assert calls == [(200, 200, 200)]
     assert as_teacher["accuracy"] >= 0.8 and as_student["accuracy"] <= 0.4
     assert as_teacher["reverse_kl_exact"] == pytest.approx(0.0, abs=1e-6)
-    assert as_student["reverse_kl_exact"] > 0.5
+    assert as_teacher["forward_kl_exact"] == pytest.approx(0.0, abs=1e-6)
+    assert as_student["reverse_kl_exact"] > 0.5 and as_student["forward_kl_exact"] > 0.5
 
 
 @pytest.mark.parametrize("estimator", ["full", "sampled"])
@@ -98,3 +101,34 @@ def test_demo_recipe_evaluates_heldout_accuracy_and_kl_during_training(tiny_task
     first, last = evals[0]["eval_accuracy"], evals[-1]["eval_accuracy"]
     assert re.search(rf"accuracy +{first:.4f} -> +{last:.4f}", printed)
     assert "Held-out evaluation, step 0 -> step 40" in printed
+    # the curve saved next to the model is the trainer's own evaluations, and its plot is drawn
+    curve = json.loads((tmp_path / "out" / "heldout_curve.json").read_text())
+    assert [(row["step"], row["accuracy"], row["reverse_kl_sampled"]) for row in curve] == [
+        (entry["step"], entry["eval_accuracy"], entry["eval_opd/reverse_kl"]) for entry in evals]
+    assert (tmp_path / "out" / "heldout_curve.png").stat().st_size > 5_000
+    assert f"Held-out curve: {tmp_path / 'out' / 'heldout_curve.json'}, " in printed
+
+
+def test_demo_says_where_its_result_falls_in_the_measured_range(tmp_path):
+    """`make demo` ends with its held-out numbers against the seed sweep's range; the README states that range."""
+    spec = importlib.util.spec_from_file_location("demo_seeds", ROOT / "benchmarks" / "demo_seeds.py")
+    demo_seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo_seeds)
+    sweep = {"machine": "2-core CPU", "date": "2026-12-01",
+             "runs": [{"accuracy": a, "reverse_kl_exact": k} for a, k in [(0.8, 0.02), (0.9, 0.01), (0.85, 0.03)]]}
+    lines = {}
+    for accuracy, reverse_kl in [(0.85, 0.04), (0.95, 0.02), (0.7, 0.005)]:
+        (tmp_path / "heldout_curve.json").write_text(json.dumps(
+            [{"step": 0, "accuracy": 0.0, "reverse_kl_exact": 2.0},
+             {"step": 600, "accuracy": accuracy, "reverse_kl_exact": reverse_kl}]))
+        lines[accuracy] = demo_seeds.compare(tmp_path, sweep).splitlines()
+    assert lines[0.85][0].startswith("held-out accuracy 0.8500: inside the range measured for `make demo` over 3 "
+                                     "seeds (0.8000-0.9000, mean 0.8500;")
+    assert lines[0.85][1].startswith("held-out exact reverse KL 0.0400: above")
+    assert " 0.9500: above" in lines[0.95][0] and " 0.0200: inside" in lines[0.95][1]
+    assert " 0.7000: below" in lines[0.7][0] and " 0.0050: below" in lines[0.7][1]
+
+    # the committed sweep is what the README's quick start quotes
+    measured = json.loads((ROOT / demo_seeds.SWEEP).read_text())["runs"]
+    low, high = (f"{f(run['accuracy'] for run in measured):.2f}" for f in (min, max))
+    assert f"held-out accuracy between {low} and {high}" in (ROOT / "README.md").read_text()

@@ -242,6 +242,11 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
     if trainer.accelerator.is_main_process:
         write_model_card(trainer, output_dir, recipe=recipe, dataset=script_args.dataset_name)
     trainer.accelerator.print(f"Saved the trained {'adapter' if model_args.use_peft else 'model'} to {output_dir}")
+    if trainer.eval_dataset is not None and trainer.accelerator.is_main_process:
+        from .evaluation import heldout_curve, write_heldout_curve
+
+        written = write_heldout_curve(heldout_curve(trainer.state.log_history), output_dir)
+        print(f"Held-out curve: {', '.join(map(str, written))}")
     if push_to_hub and trainer.accelerator.is_main_process:
         repo_id = training_args.hub_model_id or Path(output_dir).name
         url = push(output_dir, repo_id, token=training_args.hub_token, private=training_args.hub_private_repo,

@@ -1,8 +1,9 @@
 """Held-out evaluation of how far the student is from the teacher, independent of the trainer's own metrics.
 
-The student samples completions for fixed prompts (seeded), then both models score them. Two numbers come back:
+The student samples completions for fixed prompts (seeded), then both models score them. Three numbers come back:
 `reverse_kl`, the same single-sample estimate the trainer logs as `opd/reverse_kl` (mean over sampled tokens of
-log pi_S - log pi_T), and `reverse_kl_exact`, the full-vocabulary KL(pi_S || pi_T) averaged over the visited states.
+log pi_S - log pi_T), `reverse_kl_exact`, the full-vocabulary KL(pi_S || pi_T) averaged over the visited states, and
+`forward_kl_exact`, KL(pi_T || pi_S) at the same (student-visited) states.
 The exact one builds (rows, tokens, vocab) logits one row at a time: meant for small models and evaluation sets.
 Given `solutions` and an `accuracy_func` (a GRPO reward function such as `trl.rewards.accuracy_reward`), `accuracy`
 scores the same samples.
@@ -10,7 +11,9 @@ scores the same samples.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
@@ -55,7 +58,7 @@ def heldout_reverse_kl(
     completion_mask = (stops.cumsum(1) - stops) == 0
     attention_mask = torch.cat([batch["attention_mask"], completion_mask.long()], 1)
 
-    sampled_sum = exact_sum = count = 0.0
+    sampled_sum = exact_sum = forward_sum = count = 0.0
     for row in range(sequences.size(0)):  # one row at a time bounds the (tokens, vocab) logits
         ids, mask = sequences[row : row + 1], attention_mask[row : row + 1]
         positions = completion_mask[row]
@@ -66,10 +69,12 @@ def heldout_reverse_kl(
         tokens = completion[row][positions, None]
         sampled_sum += (student_logp.gather(-1, tokens) - teacher_logp.gather(-1, tokens)).sum().item()
         exact_sum += (student_logp.exp() * (student_logp - teacher_logp)).sum().item()
+        forward_sum += (teacher_logp.exp() * (teacher_logp - student_logp)).sum().item()
         count += positions.sum().item()
     student.train(was_training)
     count = max(count, 1.0)
-    metrics = {"reverse_kl": sampled_sum / count, "reverse_kl_exact": exact_sum / count, "tokens": count}
+    metrics = {"reverse_kl": sampled_sum / count, "reverse_kl_exact": exact_sum / count,
+               "forward_kl_exact": forward_sum / count, "tokens": count}
     if accuracy_func is not None:
         texts = tokenizer.batch_decode(completion.masked_fill(~completion_mask, tokenizer.pad_token_id),
                                        skip_special_tokens=True)
@@ -92,7 +97,8 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 class HeldoutReverseKLCallback(TrainerCallback):
     """Every `eval_every` optimizer steps (and before the first), `heldout_reverse_kl` of the student being trained,
-    into `state.log_history` as `eval/reverse_kl`, `eval/reverse_kl_exact` (and `eval/accuracy`). Works with any
+    into `state.log_history` as `eval/reverse_kl`, `eval/reverse_kl_exact`, `eval/forward_kl_exact` (and
+    `eval/accuracy`). Works with any
     Trainer, so that trainers without an evaluation of their own are measured alike.
 
     Single-process: the student generates with plain `generate`. `history` keeps (step, metrics) for scripts, with
@@ -123,3 +129,47 @@ class HeldoutReverseKLCallback(TrainerCallback):
             state.log_history.append(
                 {"step": state.global_step, **{f"eval/{k}": v for k, v in metrics.items() if k not in _NOT_LOGGED}}
             )
+
+
+# held-out metrics a curve shows, by their name in the trainer's log history (`eval_` prefixed)
+CURVE_METRICS = {"accuracy": "eval_accuracy", "reverse_kl_exact": "eval_opd/reverse_kl_dense",
+                 "reverse_kl_sampled": "eval_opd/reverse_kl"}
+
+
+def heldout_curve(log_history: list[dict]) -> list[dict]:
+    """The trainer's evaluations as one row per evaluated step: `step` and whichever of `CURVE_METRICS` it logged."""
+    return [{"step": entry["step"], **{name: entry[key] for name, key in CURVE_METRICS.items() if key in entry}}
+            for entry in log_history if "eval_loss" in entry]
+
+
+def write_heldout_curve(curve: list[dict], output_dir: str | Path) -> list[Path]:
+    """`heldout_curve.json` in `output_dir` and, where matplotlib is installed, `heldout_curve.png`: held-out
+    accuracy and reverse KL per evaluation. Returns the files written."""
+    output_dir = Path(output_dir)
+    written = [output_dir / "heldout_curve.json"]
+    written[0].write_text(json.dumps(curve, indent=1) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    panels = [(name, label) for name, label in (("accuracy", "held-out accuracy"),
+                                                ("reverse_kl_exact", "held-out KL(student || teacher), exact"),
+                                                ("reverse_kl_sampled", "held-out KL, sampled tokens"))
+              if any(name in row for row in curve)][:2]
+    if not panels:
+        return written
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for axis, (name, label) in zip(axes[0], panels, strict=True):
+        rows = [row for row in curve if name in row]
+        axis.plot([row["step"] for row in rows], [row[name] for row in rows], marker="o")
+        axis.set(xlabel="step", ylabel=label)
+        axis.grid(alpha=0.3)
+        if name != "accuracy":
+            axis.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(output_dir / "heldout_curve.png", dpi=100)
+    plt.close(fig)
+    return [*written, output_dir / "heldout_curve.png"]

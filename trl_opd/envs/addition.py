@@ -23,7 +23,9 @@ from pathlib import Path
 
 from ..testing import CHAT_TEMPLATE, digit_split_bpe
 
-TASK_SETTINGS = {"student_hidden": 64, "student_steps": 150, "teacher_hidden": 96, "teacher_steps": 800, "lr": 5e-3}
+# `seed` seeds the models' initialisation and SFT (student `seed`, teacher `seed + 1`); the data is the same for all
+TASK_SETTINGS = {"student_hidden": 64, "student_steps": 150, "teacher_hidden": 96, "teacher_steps": 800, "lr": 5e-3,
+                 "seed": 0}
 
 
 def is_heldout(a: int, b: int) -> bool:
@@ -145,7 +147,7 @@ def make_tiny_task(directory: str | Path, *, overwrite: bool = False, **settings
     sft_data = addition_dataset(4096, seed=10)
     heldout = addition_rows(200, seed=2, heldout=True)
     accuracy = {}
-    for name, seed in (("student", 0), ("teacher", 1)):
+    for name, seed in (("student", settings["seed"]), ("teacher", settings["seed"] + 1)):
         model = build_model(tokenizer, hidden_size=settings[f"{name}_hidden"], seed=seed)
         sft(model, tokenizer, sft_data, steps=settings[f"{name}_steps"], lr=settings["lr"], seed=seed)
         model.save_pretrained(directory / name)
@@ -163,8 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-opd make-tiny-task", description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", default="artifacts/tiny_task")
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--seed", type=int, default=TASK_SETTINGS["seed"],
+                        help="seed of the models' initialisation and training (the data stays the same)")
     args = parser.parse_args(argv)
-    directory = make_tiny_task(args.directory, overwrite=args.overwrite)
+    directory = make_tiny_task(args.directory, overwrite=args.overwrite, seed=args.seed)
     accuracy = json.loads((directory / "accuracy.json").read_text())
     print(f"{directory}: accuracy on {accuracy['heldout_prompts']} held-out prompts, greedy / sampled at temperature 1:"
           f" teacher {accuracy['teacher']['greedy']:.0%} / {accuracy['teacher']['sampled']:.0%},"
