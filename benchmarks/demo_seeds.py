@@ -24,7 +24,8 @@ import yaml
 
 RECIPE = Path("recipes/addition_cpu.yaml")
 SWEEP = Path("benchmarks/results/demo_seeds.json")
-METRICS = {"accuracy": ("held-out accuracy", ".4f"), "reverse_kl_exact": ("held-out exact reverse KL", ".4f")}
+# accuracy, and the reverse KL on the student's held-out samples (logged whatever the recipe's divergence)
+METRICS = {"accuracy": ("held-out accuracy", ".4f"), "reverse_kl_sampled": ("held-out reverse KL", ".4f")}
 
 
 def run_seed(seed: int, workdir: Path) -> dict:
@@ -56,12 +57,12 @@ def print_table(sweep: dict) -> None:
     print(f"\n`make demo` ({sweep['recipe']}, {runs[0]['steps']} steps) over seeds {[run['seed'] for run in runs]}; "
           f"{sweep['machine']}, {sweep['date']}\n")
     print("| seed | student / teacher accuracy as built (sampled) | held-out accuracy before -> after | "
-          "exact reverse KL before -> after | seconds |")
+          "held-out reverse KL before -> after | seconds |")
     print("|---:|---:|---:|---:|---:|")
     for run in runs:
         built = f"{run['task']['student']['sampled']:.0%} / {run['task']['teacher']['sampled']:.0%}"
         print(f"| {run['seed']} | {built} | {run['accuracy_before']:.3f} -> {run['accuracy']:.3f} | "
-              f"{run['reverse_kl_exact_before']:.4f} -> {run['reverse_kl_exact']:.4f} | {run['seconds']:.0f} |")
+              f"{run['reverse_kl_sampled_before']:.4f} -> {run['reverse_kl_sampled']:.4f} | {run['seconds']:.0f} |")
     for name, (label, spec) in METRICS.items():
         mean, low, high = spread(runs, name)
         print(f"\n{label} after training: mean {mean:{spec}}, range {low:{spec}}-{high:{spec}}", end="")

@@ -74,7 +74,8 @@ def test_teacher_is_far_better_than_the_student_on_heldout_prompts(tiny_task):
     assert as_teacher["accuracy"] >= 0.8 and as_student["accuracy"] <= 0.4
     assert as_teacher["reverse_kl_exact"] == pytest.approx(0.0, abs=1e-6)
     assert as_teacher["forward_kl_exact"] == pytest.approx(0.0, abs=1e-6)
-    assert as_student["reverse_kl_exact"] > 0.5 and as_student["forward_kl_exact"] > 0.5
+    # at the student's states the teacher is peaked and the student spread: the forward KL is the smaller (0.47 vs 2.0)
+    assert as_student["reverse_kl_exact"] > 0.5 and as_student["forward_kl_exact"] > 0.1
 
 
 @pytest.mark.parametrize("estimator", ["full", "sampled"])
@@ -87,14 +88,15 @@ def test_demo_recipe_evaluates_heldout_accuracy_and_kl_during_training(tiny_task
         "--eval_dataset_name", str(tiny_task / "heldout.jsonl"),
         "--output_dir", str(tmp_path / "out"),
         "--opd_estimator", estimator,
+        *(["--opd_divergence_beta", "1.0"] if estimator == "sampled" else []),  # the recipe's forward KL is dense-only
         "--max_steps", "40", "--eval_steps", "20", "--logging_steps", "20",
     ]))
     evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     assert [entry["step"] for entry in evals] == [0, 20, 40]  # before training, then every eval_steps
     for entry in evals:
         assert 0.0 <= entry["eval_accuracy"] <= 1.0 and entry["eval_opd/reverse_kl"] > 0
-    if estimator == "full":  # the exact held-out KL falls within 40 steps (the sampled estimator first rises)
-        assert evals[-1]["eval_opd/reverse_kl_dense"] < 0.9 * evals[0]["eval_opd/reverse_kl_dense"]
+    if estimator == "full":  # the recipe's exact held-out forward KL falls within 40 steps (sampled first rises)
+        assert evals[-1]["eval_opd/forward_kl_dense"] < 0.9 * evals[0]["eval_opd/forward_kl_dense"]
     # the evaluation batch (100) is larger than the training one (32): every held-out prompt is scored
     assert trainer.eval_dataset.num_rows == 200 and evals[0]["eval_runtime"] > 0
     printed = capsys.readouterr().out
@@ -105,6 +107,8 @@ def test_demo_recipe_evaluates_heldout_accuracy_and_kl_during_training(tiny_task
     curve = json.loads((tmp_path / "out" / "heldout_curve.json").read_text())
     assert [(row["step"], row["accuracy"], row["reverse_kl_sampled"]) for row in curve] == [
         (entry["step"], entry["eval_accuracy"], entry["eval_opd/reverse_kl"]) for entry in evals]
+    if estimator == "full":
+        assert [row["forward_kl_exact"] for row in curve] == [entry["eval_opd/forward_kl_dense"] for entry in evals]
     assert (tmp_path / "out" / "heldout_curve.png").stat().st_size > 5_000
     assert f"Held-out curve: {tmp_path / 'out' / 'heldout_curve.json'}, " in printed
 
@@ -115,16 +119,16 @@ def test_demo_says_where_its_result_falls_in_the_measured_range(tmp_path):
     demo_seeds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo_seeds)
     sweep = {"machine": "2-core CPU", "date": "2026-12-01",
-             "runs": [{"accuracy": a, "reverse_kl_exact": k} for a, k in [(0.8, 0.02), (0.9, 0.01), (0.85, 0.03)]]}
+             "runs": [{"accuracy": a, "reverse_kl_sampled": k} for a, k in [(0.8, 0.02), (0.9, 0.01), (0.85, 0.03)]]}
     lines = {}
     for accuracy, reverse_kl in [(0.85, 0.04), (0.95, 0.02), (0.7, 0.005)]:
         (tmp_path / "heldout_curve.json").write_text(json.dumps(
-            [{"step": 0, "accuracy": 0.0, "reverse_kl_exact": 2.0},
-             {"step": 600, "accuracy": accuracy, "reverse_kl_exact": reverse_kl}]))
+            [{"step": 0, "accuracy": 0.0, "reverse_kl_sampled": 2.0},
+             {"step": 600, "accuracy": accuracy, "reverse_kl_sampled": reverse_kl}]))
         lines[accuracy] = demo_seeds.compare(tmp_path, sweep).splitlines()
     assert lines[0.85][0].startswith("held-out accuracy 0.8500: inside the range measured for `make demo` over 3 "
                                      "seeds (0.8000-0.9000, mean 0.8500;")
-    assert lines[0.85][1].startswith("held-out exact reverse KL 0.0400: above")
+    assert lines[0.85][1].startswith("held-out reverse KL 0.0400: above")
     assert " 0.9500: above" in lines[0.95][0] and " 0.0200: inside" in lines[0.95][1]
     assert " 0.7000: below" in lines[0.7][0] and " 0.0050: below" in lines[0.7][1]
 

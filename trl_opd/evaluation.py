@@ -133,7 +133,7 @@ class HeldoutReverseKLCallback(TrainerCallback):
 
 # held-out metrics a curve shows, by their name in the trainer's log history (`eval_` prefixed)
 CURVE_METRICS = {"accuracy": "eval_accuracy", "reverse_kl_exact": "eval_opd/reverse_kl_dense",
-                 "reverse_kl_sampled": "eval_opd/reverse_kl"}
+                 "forward_kl_exact": "eval_opd/forward_kl_dense", "reverse_kl_sampled": "eval_opd/reverse_kl"}
 
 
 def heldout_curve(log_history: list[dict]) -> list[dict]:
@@ -155,9 +155,11 @@ def write_heldout_curve(curve: list[dict], output_dir: str | Path) -> list[Path]
         import matplotlib.pyplot as plt
     except ImportError:
         return written
+    # accuracy and one divergence: the exact one the run logs, else the sampled tokens' reverse KL
     panels = [(name, label) for name, label in (("accuracy", "held-out accuracy"),
                                                 ("reverse_kl_exact", "held-out KL(student || teacher), exact"),
-                                                ("reverse_kl_sampled", "held-out KL, sampled tokens"))
+                                                ("forward_kl_exact", "held-out KL(teacher || student), exact"),
+                                                ("reverse_kl_sampled", "held-out KL(student || teacher), sampled"))
               if any(name in row for row in curve)][:2]
     if not panels:
         return written
