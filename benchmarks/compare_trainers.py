@@ -34,13 +34,17 @@ def _fmt(value, spec: str, missing: str = "not reached") -> str:
     return missing if value is None else format(value, spec)
 
 
-def best_rates(runs: list[dict]) -> dict[str, float]:
-    """Per method, the learning rate with the best mean final held-out accuracy over seeds (then the lower KL)."""
+def by_rate(runs: list[dict]) -> dict[tuple[str, float], dict]:
+    """`summarize` per (method, learning rate): the whole sweep."""
     from trl_opd.comparison import summarize
 
-    table = summarize([{**run, "method": (run["method"], run["learning_rate"])} for run in runs], target=1.0)
+    return summarize([{**run, "method": (run["method"], run["learning_rate"])} for run in runs], target=1.0)
+
+
+def best_rates(sweep: dict[tuple[str, float], dict]) -> dict[str, float]:
+    """Per method, the learning rate with the best mean final held-out accuracy over seeds (then the lower KL)."""
     best = {}
-    for (method, rate), row in table.items():
+    for (method, rate), row in sweep.items():
         score = (row["accuracy"], -row["reverse_kl"])
         if method not in best or score > best[method][0]:
             best[method] = (score, rate)
@@ -50,7 +54,8 @@ def best_rates(runs: list[dict]) -> dict[str, float]:
 def print_tables(runs: list[dict], *, target: float, teacher_accuracy: float, args) -> None:
     from trl_opd.comparison import describe_machine, summarize
 
-    rates = best_rates(runs)
+    sweep = by_rate(runs)
+    rates = best_rates(sweep)
     chosen = [run for run in runs if run["learning_rate"] == rates[run["method"]]]
     table, halfway = summarize(chosen, target=target), summarize(chosen, target=0.5)
     reference = table.get("trl-distillation")
@@ -80,7 +85,6 @@ def print_tables(runs: list[dict], *, target: float, teacher_accuracy: float, ar
     print("\nThe sweep (final held-out accuracy and KL, mean (range) over the same seeds; * the rate chosen):\n")
     print("| method | learning rate | held-out accuracy | held-out KL |")
     print("|---|---:|---:|---:|")
-    sweep = summarize([{**run, "method": (run["method"], run["learning_rate"])} for run in runs], target=1.0)
     for (method, rate), row in sorted(sweep.items(), key=lambda item: (list(table).index(item[0][0]), item[0][1])):
         mark = " *" if rate == rates[method] else ""
         accuracy, reverse_kl = _spread(row, "accuracy", ".0%"), _spread(row, "reverse_kl", ".3f")
@@ -156,7 +160,7 @@ def main() -> None:
         from trl_opd.comparison import plot_comparison
 
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        rates = best_rates(runs)
+        rates = best_rates(by_rate(runs))
         plot_comparison([run for run in runs if run["learning_rate"] == rates[run["method"]]], target=target,
                         path=args.plot)
         print(f"\nplot: {args.plot}")

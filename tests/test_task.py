@@ -113,6 +113,22 @@ def test_demo_recipe_evaluates_heldout_accuracy_and_kl_during_training(tiny_task
     assert f"Held-out curve: {tmp_path / 'out' / 'heldout_curve.json'}, " in printed
 
 
+def test_the_curve_keeps_whichever_divergence_the_run_logged(tmp_path):
+    """Every estimator's and divergence's held-out metric reaches the saved curve (here a top-k JSD run's bound),
+    not only the full-vocabulary ones."""
+    from trl_opd.evaluation import heldout_curve, write_heldout_curve
+
+    log_history = [{"loss": 1.0, "step": 5},  # a training entry: not an evaluation
+                   *({"eval_loss": 0.0, "step": step, "eval_accuracy": accuracy, "eval_opd/jsd_topk": jsd,
+                      "eval_opd/reverse_kl": kl}
+                     for step, accuracy, jsd, kl in [(0, 0.1, 0.4, 2.0), (10, 0.6, 0.1, 0.5)])]
+    curve = heldout_curve(log_history)
+    assert curve == [{"step": 0, "accuracy": 0.1, "jsd_topk": 0.4, "reverse_kl_sampled": 2.0},
+                     {"step": 10, "accuracy": 0.6, "jsd_topk": 0.1, "reverse_kl_sampled": 0.5}]
+    written = write_heldout_curve(curve, tmp_path)
+    assert json.loads(written[0].read_text()) == curve and written[1].stat().st_size > 5_000
+
+
 def test_demo_says_where_its_result_falls_in_the_measured_range(tmp_path):
     """`make demo` ends with its held-out numbers against the seed sweep's range; the README states that range."""
     spec = importlib.util.spec_from_file_location("demo_seeds", ROOT / "benchmarks" / "demo_seeds.py")

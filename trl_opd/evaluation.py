@@ -131,20 +131,29 @@ class HeldoutReverseKLCallback(TrainerCallback):
             )
 
 
-# held-out metrics a curve shows, by their name in the trainer's log history (`eval_` prefixed)
-CURVE_METRICS = {"accuracy": "eval_accuracy", "reverse_kl_exact": "eval_opd/reverse_kl_dense",
-                 "forward_kl_exact": "eval_opd/forward_kl_dense", "reverse_kl_sampled": "eval_opd/reverse_kl"}
+# held-out metrics a curve shows: its name -> (the trainer's log key, a plot label). First the accuracy, then every
+# divergence a dense term logs (the exact one, or its top-k bound), then the sampled tokens' reverse KL, which every
+# estimator logs; the plot draws the accuracy and the first divergence the run logged.
+CURVE_METRICS = {
+    "accuracy": ("eval_accuracy", "held-out accuracy"),
+    **{f"{divergence}_{'exact' if term == 'dense' else 'topk'}":
+       (f"eval_opd/{divergence}_{term}", f"held-out {label}, {'exact' if term == 'dense' else 'top-k bound'}")
+       for term in ("dense", "topk")
+       for divergence, label in (("reverse_kl", "KL(student || teacher)"), ("forward_kl", "KL(teacher || student)"),
+                                 ("jsd", "JSD"))},
+    "reverse_kl_sampled": ("eval_opd/reverse_kl", "held-out KL(student || teacher), sampled"),
+}
 
 
 def heldout_curve(log_history: list[dict]) -> list[dict]:
     """The trainer's evaluations as one row per evaluated step: `step` and whichever of `CURVE_METRICS` it logged."""
-    return [{"step": entry["step"], **{name: entry[key] for name, key in CURVE_METRICS.items() if key in entry}}
+    return [{"step": entry["step"], **{name: entry[key] for name, (key, _) in CURVE_METRICS.items() if key in entry}}
             for entry in log_history if "eval_loss" in entry]
 
 
 def write_heldout_curve(curve: list[dict], output_dir: str | Path) -> list[Path]:
     """`heldout_curve.json` in `output_dir` and, where matplotlib is installed, `heldout_curve.png`: held-out
-    accuracy and reverse KL per evaluation. Returns the files written."""
+    accuracy and the run's divergence per evaluation. Returns the files written."""
     output_dir = Path(output_dir)
     written = [output_dir / "heldout_curve.json"]
     written[0].write_text(json.dumps(curve, indent=1) + "\n")
@@ -155,12 +164,7 @@ def write_heldout_curve(curve: list[dict], output_dir: str | Path) -> list[Path]
         import matplotlib.pyplot as plt
     except ImportError:
         return written
-    # accuracy and one divergence: the exact one the run logs, else the sampled tokens' reverse KL
-    panels = [(name, label) for name, label in (("accuracy", "held-out accuracy"),
-                                                ("reverse_kl_exact", "held-out KL(student || teacher), exact"),
-                                                ("forward_kl_exact", "held-out KL(teacher || student), exact"),
-                                                ("reverse_kl_sampled", "held-out KL(student || teacher), sampled"))
-              if any(name in row for row in curve)][:2]
+    panels = [(name, label) for name, (_, label) in CURVE_METRICS.items() if any(name in row for row in curve)][:2]
     if not panels:
         return written
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
