@@ -311,7 +311,11 @@ def main(argv: list[str] | None = None) -> None:
         argv = _with_configured_state(argv)
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
-    train(script_args, training_args, model_args, recipe=recipe)
+    trainer = train(script_args, training_args, model_args, recipe=recipe)
+    # a process group left for the interpreter to tear down can abort a rank at exit (gloo's threads), failing a
+    # launch whose training and save succeeded
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 def _with_configured_state(argv: list[str]) -> list[str]:
