@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trl_opd.cli import make_parser
+from trl_opd.cli import load_reward_funcs, make_parser
 
 ROOT = Path(__file__).parents[1]
 RECIPES = sorted(ROOT.glob("recipes/*.yaml"))
@@ -38,6 +38,9 @@ def test_recipe_parses_and_documents_its_launch(recipe):
     assert (training_args.opd_estimator, training_args.opd_coef) == (raw.get("opd_estimator"), raw.get("opd_coef"))
     if "teacher_model_init_kwargs" in raw:
         assert training_args.teacher_model_init_kwargs == raw["teacher_model_init_kwargs"]
+    # every reward and accuracy function the recipe names resolves to a callable
+    named = [*(script_args.reward_funcs or []), *([script_args.accuracy_func] if script_args.accuracy_func else [])]
+    assert all(callable(func) for func in load_reward_funcs(named))
 
 
 @pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=lambda p: p.name)

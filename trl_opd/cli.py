@@ -291,6 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         from .envs.addition import main as make_tiny_task_main
 
         return make_tiny_task_main(argv[1:])
+    if argv[:1] == ["make-code-task"]:
+        from .envs.code_output import main as make_code_task_main
+
+        return make_code_task_main(argv[1:])
     if argv[:1] == ["serve-teacher"]:
         from .serve import main as serve_main
 

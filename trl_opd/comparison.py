@@ -98,13 +98,25 @@ def task_inputs(task_dir: str | Path) -> dict:
 def run_method(method: str, student: str, teacher: str, prompts, heldout: list[dict], *, steps: int = 200,
                batch_size: int = 32, learning_rate: float = 1e-3, eval_every: int = 25, eval_prompts: int = 100,
                seed: int = 0, max_completion_length: int = 40, grpo_generations: int = 8, dtype: str = "float32",
-               output_dir: str | None = None) -> dict:
+               output_dir: str | None = None, accuracy_func=None, lora_r: int | None = None) -> dict:
     """Train `student` (a path or Hub id) with `method` (one of `METHODS`) on `prompts` (a dataset with `prompt` and
-    `solution` columns, as in `task_inputs`) and return its learning curve on `heldout` rows (prompt, solution)."""
+    `solution` columns, as in `task_inputs`) and return its learning curve on `heldout` rows (prompt, solution).
+
+    `accuracy_func` scores answers (GRPO's reward and the held-out accuracy; TRL's `accuracy_reward` by default);
+    with `lora_r`, every method trains a LoRA adapter of that rank (alpha 2r, all linear layers) instead of the whole
+    student."""
     import torch
     from datasets import Dataset, concatenate_datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.rewards import accuracy_reward
+
+    accuracy_func = accuracy_func or accuracy_reward
+    peft = {}
+    if lora_r:
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear",
+                                         task_type="CAUSAL_LM")
 
     if method not in METHODS:
         raise ValueError(f"Unknown method {method!r}; choose from {METHODS}.")
@@ -125,18 +137,19 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
             from . import OPDConfig, OPDTrainer
 
             trainer = OPDTrainer(model=student, teacher_model=teacher, train_dataset=prompts,
-                                 processing_class=tokenizer,
+                                 processing_class=tokenizer, **peft,
                                  args=OPDConfig(num_generations=1, **_OPD_SETTINGS[method], **generation, **common))
         elif method == "trl-distillation":
             from trl import DistillationConfig, DistillationTrainer
 
             trainer = DistillationTrainer(model=student, teacher_model=teacher, train_dataset=prompts,
-                                          processing_class=tokenizer, args=DistillationConfig(**generation, **common))
+                                          processing_class=tokenizer, **peft,
+                                          args=DistillationConfig(**generation, **common))
         elif method == "grpo":
             from trl import GRPOConfig, GRPOTrainer
 
-            trainer = GRPOTrainer(model=student, reward_funcs=accuracy_reward, train_dataset=prompts,
-                                  processing_class=tokenizer,
+            trainer = GRPOTrainer(model=student, reward_funcs=accuracy_func, train_dataset=prompts,
+                                  processing_class=tokenizer, **peft,
                                   args=GRPOConfig(num_generations=grpo_generations, **generation, **common))
         else:
             from trl import SFTConfig, SFTTrainer
@@ -150,13 +163,13 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
                                                     max_new_tokens=max_completion_length, seed=seed)
             teacher_seconds = time.perf_counter() - begin
             data = Dataset.from_dict({"prompt": rows["prompt"], "completion": completions})
-            trainer = SFTTrainer(model=student, train_dataset=data, processing_class=tokenizer,
+            trainer = SFTTrainer(model=student, train_dataset=data, processing_class=tokenizer, **peft,
                                  args=SFTConfig(shuffle_dataset=False, **common))
             generated_tokens = lambda step: sum(lengths[: step * batch_size])  # noqa: E731 (answers consumed)
         callback = _CurveCallback(
             teacher, tokenizer, [row["prompt"] for row in heldout], eval_every=eval_every,
             max_new_tokens=max_completion_length, seed=1234, solutions=[row["solution"] for row in heldout],
-            accuracy_func=accuracy_reward, counter=counter, generated_tokens=generated_tokens,
+            accuracy_func=accuracy_func, counter=counter, generated_tokens=generated_tokens,
         )
         trainer.add_callback(callback)
         begin = time.perf_counter()

@@ -1,0 +1,98 @@
+"""The real pair's gap on the code-output task: held-out accuracy of the Qwen2.5-Coder 1.5B teacher and 0.5B student.
+
+    PYTHON=.venv/bin/python ../shared/real-models.sh        # once: prints the models' directories
+    .venv/bin/trl-opd make-code-task artifacts/code_task
+    .venv/bin/python benchmarks/real_task_gap.py --student DIR_0.5B --teacher DIR_1.5B --prompts 200
+
+Greedy and sampled at temperature 1 (no top-k, no top-p, no repetition penalty: the distribution OPD samples from),
+with the binomial standard error sqrt(p (1 - p) / n), and the mean completion length in tokens. The JSON keeps every
+number with the machine and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_opd.comparison import describe_machine
+from trl_opd.envs.code_output import printed_output_reward
+from trl_opd.evaluation import stop_token_ids
+
+
+def generate(model, tokenizer, prompts: list, *, do_sample: bool, max_new_tokens: int, batch_size: int,
+             seed: int = 0) -> tuple[list[str], list[int]]:
+    """Completions (special tokens stripped) and their lengths in tokens (the stop token included)."""
+    stop = stop_token_ids(model, tokenizer)
+    texts, lengths = [], []
+    torch.manual_seed(seed)
+    for start in range(0, len(prompts), batch_size):
+        chunk = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                 for p in prompts[start : start + batch_size]]
+        batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if do_sample else \
+            {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        with torch.no_grad():
+            out = model.generate(**batch, **sampling, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+                                 eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
+        completion = out[:, batch["input_ids"].size(1) :]
+        done = torch.isin(completion, torch.tensor(stop)).int()
+        lengths += ((done.cumsum(1) - done) == 0).sum(1).tolist()
+        texts += tokenizer.batch_decode(completion, skip_special_tokens=True)
+    return texts, lengths
+
+
+def accuracy(texts: list[str], solutions: list[str]) -> dict:
+    scores = printed_output_reward([[{"role": "assistant", "content": t}] for t in texts], solutions)
+    p = sum(scores) / len(texts)
+    return {"accuracy": p, "stderr": math.sqrt(p * (1 - p) / len(texts)), "n": len(texts)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--student", required=True)
+    parser.add_argument("--teacher", required=True)
+    parser.add_argument("--heldout", default="artifacts/code_task/heldout.jsonl")
+    parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=50)
+    parser.add_argument("--json", default="benchmarks/results/real_task_gap.json")
+    args = parser.parse_args(argv)
+
+    rows = [json.loads(line) for line in open(args.heldout)][: args.prompts]
+    prompts, solutions = [r["prompt"] for r in rows], [r["solution"] for r in rows]
+    results = {"machine": describe_machine(), "date": time.strftime("%Y-%m-%d"), "heldout": args.heldout,
+               "max_new_tokens": args.max_new_tokens, "models": {}}
+    for name, path in (("student", args.student), ("teacher", args.teacher)):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        results["models"][name] = {"path": str(path)}
+        for mode in ("greedy", "sampled"):
+            start = time.perf_counter()
+            texts, lengths = generate(model, tokenizer, prompts, do_sample=mode == "sampled",
+                                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+            measured = {**accuracy(texts, solutions), "mean_tokens": sum(lengths) / len(lengths),
+                        "truncated": sum(n >= args.max_new_tokens for n in lengths) / len(lengths),
+                        "seconds": round(time.perf_counter() - start, 1), "example": texts[0]}
+            results["models"][name][mode] = measured
+            print(f"{name:8} {mode:8} {measured['accuracy']:.1%} +- {measured['stderr']:.1%}"
+                  f"  ({measured['mean_tokens']:.1f} tokens, {measured['truncated']:.0%} truncated,"
+                  f" {measured['seconds']} s)", flush=True)
+        del model
+    for mode in ("greedy", "sampled"):
+        t, s = results["models"]["teacher"][mode], results["models"]["student"][mode]
+        gap = t["accuracy"] - s["accuracy"]
+        results[f"gap_{mode}"] = {"points": 100 * gap,
+                                  "stderr_points": 100 * math.sqrt(t["stderr"] ** 2 + s["stderr"] ** 2)}
+        print(f"gap {mode}: {100 * gap:.1f} +- {results[f'gap_{mode}']['stderr_points']:.1f} points")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

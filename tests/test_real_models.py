@@ -1,0 +1,102 @@
+"""Real pretrained models, with their real tokenizers and chat templates: SmolLM2-135M-Instruct trained for 2 steps,
+and the tokenizer check on the real Qwen2.5-Coder pair and on SmolLM2 against Qwen.
+
+`make test` builds the models once with `../shared/real-models.sh` (a cache in ~/.cache/real-models) and points
+OPD_REAL_MODELS at them.
+"""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from trl_opd import cli
+
+REAL = os.environ.get("OPD_REAL_MODELS")
+needs_real_models = pytest.mark.skipif(
+    not REAL, reason="OPD_REAL_MODELS is unset: `make test` builds the real models with ../shared/real-models.sh")
+ROOT = Path(__file__).parents[1]
+
+
+def _model(name: str) -> str:
+    return str(Path(REAL) / name)
+
+
+@pytest.fixture(scope="module")
+def code_task(tmp_path_factory):
+    from trl_opd.envs.code_output import make_code_task
+
+    return make_code_task(tmp_path_factory.mktemp("code_task"), train=16, heldout=8)
+
+
+def _train_smollm2(code_task, output_dir, *extra):
+    smollm2 = _model("smollm2-135m-instruct")
+    args = cli.make_parser().parse_args_and_config([
+        "--config", str(ROOT / "recipes" / "smoke_cpu.yaml"), "--model_name_or_path", smollm2,
+        "--teacher_model_name_or_path", smollm2, "--dataset_name", str(code_task / "train.jsonl"),
+        "--output_dir", str(output_dir), "--max_steps", "2", "--logging_steps", "1", "--lora_r", "8",
+        "--lora_alpha", "16", "--per_device_train_batch_size", "4", "--max_completion_length", "16", *extra,
+    ])
+    trainer = cli.train(*args)
+    return [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+
+
+@needs_real_models
+def test_smollm2_distils_from_itself_with_zero_kl_until_the_teacher_gets_a_system_prompt(code_task, tmp_path):
+    # the teacher is the student's own checkpoint: reading the same rendered prompt, its log-probs are the student's
+    # to round-off, so both the sampled and the exact full-vocabulary KL are 0 on the first step
+    same = _train_smollm2(code_task, tmp_path / "same")
+    assert [entry["step"] for entry in same] == [1, 2]
+    assert all(math.isfinite(value) for entry in same for value in entry.values())
+    assert abs(same[0]["opd/reverse_kl"]) < 1e-4
+    assert abs(same[0]["opd/reverse_kl_dense"]) < 1e-4
+
+    # a teacher-only system prompt replaces SmolLM2's default system message in the teacher's rendering only, so the
+    # teacher scores the same tokens in another context: a KL well above round-off
+    prompted = _train_smollm2(code_task, tmp_path / "prompted", "--teacher_system_prompt",
+                              "You are a Python interpreter. Answer with the exact printed output and nothing else.")
+    assert all(math.isfinite(value) for entry in prompted for value in entry.values())
+    assert prompted[0]["opd/reverse_kl_dense"] > 1e-2
+
+
+@needs_real_models
+def test_tokenizer_check_passes_for_the_qwen_pair_and_refuses_smollm2_against_qwen():
+    from transformers import AutoTokenizer
+
+    from trl_opd.checks import check_tokenizers_compatible
+
+    student, teacher, smollm2 = (AutoTokenizer.from_pretrained(_model(name)) for name in (
+        "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"))
+    check_tokenizers_compatible(student, teacher, student_name="0.5B", teacher_name="1.5B")
+    with pytest.raises(ValueError, match=r"tokenizers differ: token id 0 is '<\|endoftext\|>' for the student and "
+                                         r"'!' for the teacher"):
+        check_tokenizers_compatible(smollm2, student, student_name="SmolLM2", teacher_name="Qwen")
+
+
+def test_code_task_answers_are_what_python_prints_and_no_heldout_program_is_trained_on(tmp_path):
+    # runs without the real models: the task itself
+    import contextlib
+    import io
+    import json
+
+    from trl_opd.envs.code_output import make_code_task, printed_output_reward
+
+    directory = make_code_task(tmp_path, train=300, heldout=90)
+    train, heldout = ([json.loads(line) for line in open(directory / f"{name}.jsonl")] for name in ("train", "heldout"))
+    assert (len(train), len(heldout)) == (300, 90)
+
+    def program(row):
+        return row["prompt"][0]["content"].split("```python\n")[1].split("\n```")[0]
+
+    for row in heldout[:20]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(program(row), {})
+        assert out.getvalue() == row["solution"] + "\n"
+    assert len({program(row) for row in heldout}) == 90
+    assert not {program(row) for row in train} & {program(row) for row in heldout}
+    answer = heldout[0]["solution"]
+    completions = [answer, f"`{answer}`", f"```plaintext\n{answer}\n```", f"'{answer}'", f"{answer}.", "", answer[:-1]]
+    assert printed_output_reward([[{"role": "assistant", "content": c}] for c in completions],
+                                 [answer] * len(completions)) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
