@@ -21,30 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_opd.comparison import describe_machine
+from trl_opd.envs.addition import completion_texts
 from trl_opd.envs.code_output import printed_output_reward
-from trl_opd.evaluation import stop_token_ids
-
-
-def generate(model, tokenizer, prompts: list, *, do_sample: bool, max_new_tokens: int, batch_size: int,
-             seed: int = 0) -> tuple[list[str], list[int]]:
-    """Completions (special tokens stripped) and their lengths in tokens (the stop token included)."""
-    stop = stop_token_ids(model, tokenizer)
-    texts, lengths = [], []
-    torch.manual_seed(seed)
-    for start in range(0, len(prompts), batch_size):
-        chunk = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-                 for p in prompts[start : start + batch_size]]
-        batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if do_sample else \
-            {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-        with torch.no_grad():
-            out = model.generate(**batch, **sampling, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
-                                 eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
-        completion = out[:, batch["input_ids"].size(1) :]
-        done = torch.isin(completion, torch.tensor(stop)).int()
-        lengths += ((done.cumsum(1) - done) == 0).sum(1).tolist()
-        texts += tokenizer.batch_decode(completion, skip_special_tokens=True)
-    return texts, lengths
 
 
 def accuracy(texts: list[str], solutions: list[str]) -> dict:
@@ -74,8 +52,9 @@ def main(argv: list[str] | None = None) -> None:
         results["models"][name] = {"path": str(path)}
         for mode in ("greedy", "sampled"):
             start = time.perf_counter()
-            texts, lengths = generate(model, tokenizer, prompts, do_sample=mode == "sampled",
-                                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+            texts, lengths = completion_texts(model, tokenizer, prompts, do_sample=mode == "sampled",
+                                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                              with_lengths=True)
             measured = {**accuracy(texts, solutions), "mean_tokens": sum(lengths) / len(lengths),
                         "truncated": sum(n >= args.max_new_tokens for n in lengths) / len(lengths),
                         "seconds": round(time.perf_counter() - start, 1), "example": texts[0]}

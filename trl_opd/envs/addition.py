@@ -98,10 +98,15 @@ def sft(model, tokenizer, dataset, *, steps: int, lr: float, seed: int, batch_si
 
 def completion_texts(model, tokenizer, prompts: list, *, max_new_tokens: int = 40, do_sample: bool = False,
                      seed: int = 0, batch_size: int = 128, with_lengths: bool = False):
-    """The model's completions (special tokens stripped) to chat `prompts`, greedy or sampled at temperature 1; with
-    `with_lengths`, also the number of tokens each took (the end-of-sequence token included)."""
+    """The model's completions (special tokens stripped) to chat `prompts`, greedy or sampled at temperature 1 from
+    the whole distribution (no top-k, top-p or repetition penalty a checkpoint's generation config may set); with
+    `with_lengths`, also the number of tokens each took (its stop token included). A completion stops at any of the
+    ids GRPO's training stops at (`stop_token_ids`)."""
     import torch
 
+    from ..evaluation import stop_token_ids
+
+    stop = stop_token_ids(model, tokenizer)
     texts, lengths = [], []
     torch.manual_seed(seed)
     for start in range(0, len(prompts), batch_size):
@@ -110,10 +115,12 @@ def completion_texts(model, tokenizer, prompts: list, *, max_new_tokens: int = 4
         batch = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**batch, do_sample=do_sample, temperature=1.0 if do_sample else None, top_k=0,
-                                 top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+                                 top_p=1.0, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+                                 eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
         completion = out[:, batch["input_ids"].size(1) :]
         texts += tokenizer.batch_decode(completion, skip_special_tokens=True)
-        lengths += (completion != tokenizer.pad_token_id).sum(1).tolist()
+        stops = torch.isin(completion, torch.tensor(stop)).int()
+        lengths += ((stops.cumsum(1) - stops) == 0).sum(1).tolist()  # up to and including the first stop token
     return (texts, lengths) if with_lengths else texts
 
 

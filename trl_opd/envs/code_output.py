@@ -36,23 +36,24 @@ SENTENCES = ("the quick brown fox jumps", "deep learning needs more data", "smal
              "rivers run down to the sea", "green tea tastes rather bitter")
 
 
+# One line of Python per family, printing a string or an integer, from a drawn word and the generator
+_FAMILIES = (
+    lambda rng, word: f"print('{word}'.upper())",
+    lambda rng, word: f"print('{word}'.replace('{rng.choice(sorted(set(word)))}', '{rng.choice('xyz')}'))",
+    lambda rng, word: f"print('{word}'[:{rng.randint(2, 4)}])",
+    lambda rng, word: f"print('{word}'[{rng.randint(-3, -1)}])",
+    lambda rng, word: f"print(len('{word}'))",
+    lambda rng, word: f"print('{word}'.title() + '{rng.randint(1, 9)}')",
+    lambda rng, word: f"print('-'.join({rng.sample(WORDS, 3)}))",
+    lambda rng, word: f"print(sorted({rng.sample(WORDS, 3)})[0])",
+    lambda rng, word: f"print('{rng.choice(SENTENCES)}'.split()[{rng.randint(0, 4)}])",
+)
+
+
 def _program(rng: random.Random, family: int) -> str:
-    """One line of Python that prints a string or an integer: string methods, slicing and indexing, joins, sorting."""
-    word, other = rng.sample(WORDS, 2)
-    return [
-        lambda: f"print('{word}'.upper())",
-        lambda: f"print('{word}'.replace('{rng.choice(sorted(set(word)))}', '{rng.choice('xyz')}'))",
-        lambda: f"print('{word}'[:{rng.randint(2, 4)}])",
-        lambda: f"print('{word}'[{rng.randint(-3, -1)}])",
-        lambda: f"print(len('{word}'))",
-        lambda: f"print('{word}'.title() + '{rng.randint(1, 9)}')",
-        lambda: f"print('-'.join({rng.sample(WORDS, 3)}))",
-        lambda: f"print(sorted({rng.sample(WORDS, 3)})[0])",
-        lambda: f"print('{rng.choice(SENTENCES)}'.split()[{rng.randint(0, 4)}])",
-    ][family]()
-
-
-FAMILIES = 9
+    """A program of family `family`: string methods, slicing and indexing, joins, sorting, splitting, `len`."""
+    word = rng.sample(WORDS, 2)[0]  # two drawn, one used: the draws the measured task was built with
+    return _FAMILIES[family](rng, word)
 
 
 def answer_text(completion: str) -> str:
@@ -99,7 +100,7 @@ def code_rows(n: int, seed: int, *, distinct: bool = True, exclude: frozenset[st
         attempts += 1
         if attempts > 100 * n:
             raise ValueError(f"Could not draw {n} programs (only {len(rows)} found): ask for fewer.")
-        source = _program(rng, len(rows) % FAMILIES)
+        source = _program(rng, len(rows) % len(_FAMILIES))
         if source not in exclude and not (distinct and source in seen):
             seen.add(source)
             rows.append(code_row(source))
