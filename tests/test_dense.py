@@ -176,7 +176,7 @@ def test_local_teacher_topk_is_the_top_of_its_logits(tiny, tokenizer):
     from trl_opd.teachers import LocalTeacher
     from trl_opd.teachers.local import freeze_teacher
 
-    model = freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher"), temperature=2.0)
+    model = freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher"))
     teacher = LocalTeacher(model, batch_size=2, topk=4, temperature=2.0)
     prompt = tokenizer(["12 + 7 =", "3 + 4 ="], return_tensors="pt", padding=True, padding_side="left")
     completion = tokenizer([" 19.", " 7"], return_tensors="pt", padding=True, padding_side="right")
@@ -184,7 +184,7 @@ def test_local_teacher_topk_is_the_top_of_its_logits(tiny, tokenizer):
     input_ids = torch.cat([prompt.input_ids, completion.input_ids], 1)
     attention_mask = torch.cat([prompt.attention_mask, completion.attention_mask], 1)
     with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # the plain forward, no fused head
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # the plain forward
     num = completion.input_ids.size(1)
     expected = (logits[:, -num - 1 : -1] / 2.0).log_softmax(-1).topk(4, dim=-1)
     valid = completion.attention_mask.bool()

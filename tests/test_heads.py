@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trl_opd.heads import OutputHead, head_mass_beyond, head_token_logps, head_token_logps_and_entropy, head_topk_logps
+from trl_opd.heads import OutputHead, head_mass_beyond, head_token_logps, head_token_stats, head_topk_logps
 from trl_opd.loss import dense_reverse_kl, dense_topk_reverse_kl
 
 
@@ -60,12 +60,14 @@ def test_dense_terms_follow_each_models_transform_and_temperature(pair):
         torch.testing.assert_close(g.double(), w.double(), atol=1e-4, rtol=1e-3)
 
 
-def test_token_logps_and_entropy_follow_the_transform():
+def test_token_logps_entropy_and_argmax_follow_the_transform():
     torch.manual_seed(0)
     hidden, head = torch.randn(6, 16), OutputHead(torch.randn(50, 16), torch.randn(50), 3.0, 4.0, 0.6)
-    ids = torch.randint(50, (6,))
     expected = _logps(hidden, head)
-    logps, entropy = head_token_logps_and_entropy(hidden, head, ids, tile_elements=100)
+    ids = torch.randint(50, (6,))
+    ids[:3] = expected[:3].argmax(-1)  # three positions where the token is the argmax
+    logps, entropy, is_top1 = head_token_stats(hidden, head, ids, tile_elements=100)
+    assert is_top1.tolist() == (expected.argmax(-1) == ids).tolist() and is_top1[:3].all()
     torch.testing.assert_close(logps.double(), expected.gather(-1, ids[:, None])[:, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy.double(), -(expected.exp() * expected).sum(-1), atol=1e-5, rtol=1e-5)
     tiled = head_token_logps(hidden, head, ids[:, None], tile_elements=100)

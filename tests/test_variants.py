@@ -188,7 +188,7 @@ def test_teacher_temperature_divides_the_teachers_logits(tiny):
     model = AutoModelForCausalLM.from_pretrained(tiny / "teacher")
     with torch.no_grad():
         expected = (model(ids).logits / 2.0).log_softmax(-1)[0, 3:-1].gather(-1, ids[0, 4:, None])[:, 0]
-    scores = LocalTeacher(freeze_teacher(model, temperature=2.0), batch_size=1).score(
+    scores = LocalTeacher(freeze_teacher(model), batch_size=1, temperature=2.0).score(
         ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:]
     )
     torch.testing.assert_close(scores.logps[0], expected, atol=1e-5, rtol=1e-5)

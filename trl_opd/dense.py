@@ -15,7 +15,7 @@ import torch
 from accelerate.utils import is_peft_model
 from trl.models.utils import _ForwardRedirection
 
-from .heads import OutputHead, head_token_logps_and_entropy
+from .heads import OutputHead, head_token_stats
 from .loss import dense_divergence, dense_topk_divergence, divergence_name
 from .teachers.base import TeacherScores
 
@@ -86,13 +86,14 @@ class DenseLossMixin:
         """What GRPO's loss forward would have logged: the deferred `opd/*` metrics (from the sampled tokens'
         log-probs, which on-policy are the old ones) and the student's `entropy`, over the distilled tokens."""
         completion_ids, mask = inputs["completion_ids"], inputs["action_mask"]
+        valid = mask.bool()  # only these positions are projected onto the vocabulary
         hidden = student_hidden[:, -completion_ids.size(1) - 1 : -1].detach()
-        logps, entropy = head_token_logps_and_entropy(
-            hidden.reshape(-1, hidden.size(-1)), self._student_head(student), completion_ids.reshape(-1)
-        )
-        self._log_deferred_metrics(inputs, logps.view_as(completion_ids))
+        valid_logps, valid_entropy, _ = head_token_stats(hidden[valid], self._student_head(student),
+                                                         completion_ids[valid])
+        logps = valid_logps.new_zeros(mask.shape).masked_scatter(valid, valid_logps)
+        self._log_deferred_metrics(inputs, logps)
         mode = "train" if self.model.training else "eval"
-        mean_entropy = (entropy.view_as(mask) * mask).sum() / mask.sum().clamp(min=1.0)
+        mean_entropy = valid_entropy.sum() / mask.sum().clamp(min=1.0)
         self._metrics[mode]["entropy"].append(self.accelerator.gather(mean_entropy).nanmean().item())
 
     @property

@@ -115,13 +115,15 @@ def head_token_logps(
 
 
 @torch.no_grad()
-def head_token_logps_and_entropy(
+def head_token_stats(
     hidden: torch.Tensor, head: OutputHead, ids: torch.Tensor, *, tile_elements: int = TILE_ELEMENTS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of token `ids` (N,) and the entropy of the next-token distribution (N,) at each position, from final
-    hidden states (N, H); no grad, in tiles of positions."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-prob of token `ids` (N,), the entropy of the next-token distribution (N,) and whether the token is its
+    argmax (N,, the first index among ties) at each position, from final hidden states (N, H); no grad, in tiles of
+    positions. Only the positions given are projected: select the ones that matter before calling."""
     logps = hidden.new_empty(ids.shape, dtype=torch.float32)
     entropy = hidden.new_empty(ids.shape, dtype=torch.float32)
+    is_top1 = torch.empty(ids.shape, dtype=torch.bool, device=hidden.device)
     rows = head.tile_rows(tile_elements)
     with head.gathered():
         for start in range(0, hidden.size(0), rows):
@@ -129,7 +131,8 @@ def head_token_logps_and_entropy(
             tile_logps = head.logits(hidden[tile]).log_softmax(-1)
             logps[tile] = tile_logps.gather(-1, ids[tile, None])[:, 0]
             entropy[tile] = -(tile_logps.exp() * tile_logps).sum(-1)
-    return logps, entropy
+            is_top1[tile] = tile_logps.argmax(-1) == ids[tile]
+    return logps, entropy, is_top1
 
 
 class _TokenLogProbs(torch.autograd.Function):

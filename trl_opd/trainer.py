@@ -148,7 +148,7 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         `self.teacher_models` keeps them by name (a single teacher is "teacher", also `self.teacher_model`)."""
         args = self.args
         self.teacher_models = {
-            name: self._prepare_teacher(freeze_teacher(teacher, temperature=args.teacher_temperature))
+            name: self._prepare_teacher(freeze_teacher(teacher))
             for name, teacher in teachers.items() if isinstance(teacher, torch.nn.Module)
         }
         self.teacher_model = self.teacher_models.get("teacher")

@@ -1,7 +1,9 @@
-"""A frozen teacher model in the training process, scored through TRL's fused LM head.
+"""A frozen teacher model in the training process: its backbone over prompt and completion, then its LM head over
+the completion positions only.
 
-The fused head projects hidden states onto the vocabulary in tiles and keeps only per-token statistics (log-prob of
-the label, entropy, whether the label is the argmax), so no (batch, tokens, vocab) logits tensor is ever built.
+The head projects a tile of positions onto the vocabulary at a time and keeps per-token statistics (log-prob of the
+sampled token, entropy, whether it is the argmax), so no (batch, tokens, vocab) logits tensor is ever built, and the
+prompt's positions, usually most of each sequence, are never projected.
 """
 
 from __future__ import annotations
@@ -11,29 +13,29 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from trl.trainer.utils import add_fused_lm_head, disable_dropout_in_model
+from trl.models.utils import _ForwardRedirection
+from trl.trainer.utils import disable_dropout_in_model
 
-from ..heads import OutputHead, head_mass_beyond, head_topk_logps
+from ..heads import OutputHead, head_mass_beyond, head_token_stats, head_topk_logps
 from .base import TeacherScores
 
 logger = logging.getLogger(__name__)
 # Teacher probability on ids a smaller student cannot write, above which the dense terms' renormalisation is reported
 OUTSIDE_MASS_WARNING = 1e-3
 
-TEACHER_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
-
-def freeze_teacher(model: torch.nn.Module, *, temperature: float = 1.0) -> torch.nn.Module:
-    """Freeze `model` for scoring and give it the fused LM head. Call before DeepSpeed/FSDP/PEFT wrap it."""
+def freeze_teacher(model: torch.nn.Module) -> torch.nn.Module:
+    """Freeze `model` for scoring (no gradient, eval mode, no dropout). Call before DeepSpeed/FSDP/PEFT wrap it."""
     model.requires_grad_(False)
     model.eval()
     disable_dropout_in_model(model)
-    add_fused_lm_head(model, temperature=temperature, outputs=TEACHER_OUTPUTS)
     return model
 
 
 class LocalTeacher:
     """Scores completions with a model prepared by `freeze_teacher` (possibly wrapped by DeepSpeed ZeRO-3)."""
+
+    _forward_redirection = _ForwardRedirection()
 
     def __init__(
         self,
@@ -51,7 +53,7 @@ class LocalTeacher:
         self.autocast = autocast
         self.return_hidden = return_hidden  # keep the final hidden states too (the full estimator needs them)
         self.topk = topk  # also return the k most likely tokens at each position (the topk estimator)
-        self.temperature = temperature  # the temperature the fused head was given by `freeze_teacher`
+        self.temperature = temperature  # the teacher's logits are divided by it (`teacher_temperature`)
         # the dense terms compare the two models over the student's ids; a teacher's extra rows (a larger vocabulary)
         # are left out: 'full' renormalises the teacher over the student's ids, 'topk' puts their mass in the tail
         self.student_vocab_size = student_vocab_size
@@ -70,31 +72,22 @@ class LocalTeacher:
             return TeacherScores(logps=empty, is_top1=empty.bool(), entropy=empty)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P+T)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # (B, P+T)
-        # Only completion tokens are labels: prompt and padding are context or nothing
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :-num_completion] = -100
-
-        logps, is_top1, entropy, hidden = [], [], [], []
-        # the fused head runs the backbone itself; a hook keeps its output, at the positions that predict completions
-        hook = self.causal_lm.base_model.register_forward_hook(
-            lambda module, args, out: hidden.append(out.last_hidden_state[:, -num_completion - 1 : -1])
-        ) if self.return_hidden or self.topk else None
-        try:
-            # Every rank runs the same number of forwards (equal local batches), as ZeRO-3's collective forward needs
-            for start in range(0, input_ids.size(0), self.batch_size):
-                rows = slice(start, start + self.batch_size)
-                with self.autocast():
-                    out = self.model(
-                        input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows],
-                        fused_lm_head=True,
-                    )
-                logps.append(out.log_probs[:, -num_completion:].float())
-                is_top1.append(out.is_top1[:, -num_completion:])
-                entropy.append(out.entropy[:, -num_completion:].float())
-        finally:
-            if hook is not None:
-                hook.remove()
-        scores = TeacherScores(logps=torch.cat(logps), is_top1=torch.cat(is_top1), entropy=torch.cat(entropy))
+        valid = completion_mask.bool()  # padding is never projected
+        logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+        entropy, is_top1 = torch.zeros_like(logps), torch.zeros_like(valid)
+        head, hidden = self.output_head, []
+        # Every rank runs the same number of forwards (equal local batches), as ZeRO-3's collective forward needs
+        for start in range(0, input_ids.size(0), self.batch_size):
+            rows = slice(start, start + self.batch_size)
+            with self.autocast():
+                # the states that predict the completion tokens: one position before each
+                states = self._final_hidden(input_ids[rows], attention_mask[rows])[:, -num_completion - 1 : -1]
+                stats = head_token_stats(states[valid[rows]], head, completion_ids[rows][valid[rows]])
+            for out, values in zip((logps, entropy, is_top1), stats, strict=True):
+                out[rows] = out[rows].masked_scatter(valid[rows], values)
+            if self.return_hidden or self.topk:
+                hidden.append(states)
+        scores = TeacherScores(logps=logps, is_top1=is_top1, entropy=entropy)
         if hidden:
             hidden = torch.cat(hidden)  # (B, T, H)
             scores.hidden = hidden if self.return_hidden else None
@@ -102,6 +95,16 @@ class LocalTeacher:
                 scores.topk_ids, scores.topk_logps = self._topk(hidden)
             self._check_outside_mass(hidden, completion_ids, completion_mask, scores.logps)
         return scores
+
+    def _final_hidden(self, input_ids, attention_mask) -> torch.Tensor:
+        """The backbone's final hidden states (B, L, H), called through any wrapper's forward (under ZeRO-3 that
+        gathers the sharded weights, as the model's own forward would)."""
+        backbone = self.causal_lm.base_model
+        return self._forward_redirection(
+            self.model, self.causal_lm,
+            lambda **inputs: backbone(**inputs, use_cache=False).last_hidden_state,
+            input_ids=input_ids, attention_mask=attention_mask,
+        )
 
     def _check_outside_mass(self, hidden, completion_ids, completion_mask, logps) -> None:
         """On the first scored batch, warn if the teacher puts real probability on ids the student cannot write,
