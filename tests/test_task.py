@@ -48,6 +48,7 @@ def test_teacher_is_far_better_than_the_student_on_heldout_prompts(tiny_task):
     """The builder's own numbers, and the same measured independently: sampled answers scored by the checker."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trl_opd.envs.addition import task_accuracy
     from trl_opd.evaluation import heldout_reverse_kl
 
     built = json.loads((tiny_task / "accuracy.json").read_text())
@@ -60,7 +61,9 @@ def test_teacher_is_far_better_than_the_student_on_heldout_prompts(tiny_task):
     rows = [json.loads(line) for line in open(tiny_task / "heldout.jsonl")][:100]
     kwargs = dict(prompts=[r["prompt"] for r in rows], solutions=[r["solution"] for r in rows],
                   accuracy_func=accuracy_reward, max_new_tokens=40)
-    as_student = heldout_reverse_kl(student, teacher, tokenizer, **kwargs)
+    as_student = heldout_reverse_kl(student, teacher, tokenizer, **kwargs, greedy_accuracy=True)
+    # greedy answers, one per prompt, scored as the task builder's own greedy decoding scores them
+    assert as_student["accuracy_greedy"] == task_accuracy(student, tokenizer, rows)
     calls = []
 
     def recording_accuracy(completions, solution, prompts, **rest):

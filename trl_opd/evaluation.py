@@ -32,9 +32,12 @@ _NOT_LOGGED = ("tokens", "train_seconds")
 def heldout_reverse_kl(
     student, teacher, tokenizer, prompts: list, *, max_new_tokens: int = 32, samples_per_prompt: int = 1,
     seed: int = 0, temperature: float = 1.0, solutions: list[str] | None = None, accuracy_func=None,
+    greedy_accuracy: bool = False,
 ) -> dict[str, float]:
     """Sample from `student` on `prompts` (text or chat messages) and measure KL(student || teacher) on the samples,
-    and with `solutions` and `accuracy_func` the fraction of samples it scores right."""
+    and with `solutions` and `accuracy_func` the fraction of samples it scores right (`accuracy`); with
+    `greedy_accuracy` also that of its greedy answers, one per prompt (`accuracy_greedy`: no sampling noise, so the
+    steadier measure of a short evaluation set)."""
     was_training = student.training
     student.eval()
     device = next(student.parameters()).device
@@ -47,8 +50,8 @@ def heldout_reverse_kl(
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     sequences = student.generate(
-        **batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
+        **batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
     )
     torch.random.set_rng_state(generator_state)
     prompt_len = batch["input_ids"].size(1)
@@ -62,29 +65,49 @@ def heldout_reverse_kl(
     for row in range(sequences.size(0)):  # one row at a time bounds the (tokens, vocab) logits
         ids, mask = sequences[row : row + 1], attention_mask[row : row + 1]
         positions = completion_mask[row]
-        student_logp = (student(input_ids=ids, attention_mask=mask).logits[0, prompt_len - 1 : -1] / temperature)
+        # logits only at the states that predict the completion (the prompt's are never projected)
+        keep = completion.size(1) + 1
+        student_logp = student(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits[0, :-1] / temperature
         student_logp = student_logp.float().log_softmax(-1)[positions]
-        teacher_logp = teacher(input_ids=ids, attention_mask=mask).logits[0, prompt_len - 1 : -1]
+        teacher_logp = teacher(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits[0, :-1]
         teacher_logp = teacher_logp.float().log_softmax(-1)[positions]
         tokens = completion[row][positions, None]
         sampled_sum += (student_logp.gather(-1, tokens) - teacher_logp.gather(-1, tokens)).sum().item()
         exact_sum += (student_logp.exp() * (student_logp - teacher_logp)).sum().item()
         forward_sum += (teacher_logp.exp() * (teacher_logp - student_logp)).sum().item()
         count += positions.sum().item()
-    student.train(was_training)
     count = max(count, 1.0)
     metrics = {"reverse_kl": sampled_sum / count, "reverse_kl_exact": exact_sum / count,
                "forward_kl_exact": forward_sum / count, "tokens": count}
     if accuracy_func is not None:
-        texts = tokenizer.batch_decode(completion.masked_fill(~completion_mask, tokenizer.pad_token_id),
-                                       skip_special_tokens=True)
-        chat = not isinstance(prompts[0], str)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         repeat = lambda values: [v for v in values for _ in range(samples_per_prompt)]  # noqa: E731 (one per sample)
-        scores = accuracy_func(completions=completions, solution=repeat(solutions), prompts=repeat(prompts))
-        scored = [s for s in scores if s is not None]  # None: the function could not judge it, skipped as in training
-        metrics["accuracy"] = sum(scored) / len(scored) if scored else float("nan")
+        metrics["accuracy"] = _accuracy(tokenizer, completion, completion_mask, accuracy_func,
+                                        prompts=repeat(prompts), solutions=repeat(solutions))
+    if accuracy_func is not None and greedy_accuracy:
+        first = slice(None, None, samples_per_prompt)  # one row per prompt
+        greedy = student.generate(
+            input_ids=batch["input_ids"][first], attention_mask=batch["attention_mask"][first], do_sample=False,
+            temperature=None, top_k=None, top_p=None, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
+        )[:, prompt_len:]
+        greedy_stops = torch.isin(greedy, torch.tensor(stop_ids, device=greedy.device)).int()
+        greedy_mask = (greedy_stops.cumsum(1) - greedy_stops) == 0
+        metrics["accuracy_greedy"] = _accuracy(tokenizer, greedy, greedy_mask, accuracy_func, prompts=prompts,
+                                               solutions=solutions)
+    student.train(was_training)
     return metrics
+
+
+def _accuracy(tokenizer, completion, completion_mask, accuracy_func, *, prompts: list, solutions: list) -> float:
+    """The mean of `accuracy_func` over the decoded completions, one per row of `prompts` and `solutions`; a None
+    score (the function could not judge it) is skipped, as in training."""
+    texts = tokenizer.batch_decode(completion.masked_fill(~completion_mask, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    chat = not isinstance(prompts[0], str)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    scores = accuracy_func(completions=completions, solution=solutions, prompts=prompts)
+    scored = [s for s in scores if s is not None]
+    return sum(scored) / len(scored) if scored else float("nan")
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
