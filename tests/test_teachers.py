@@ -22,7 +22,7 @@ def _batch(tokenizer, vocab_size, *, seed=0, rows=3, prompt_len=6, completion_le
 
 
 def _naive_scores(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Full logits, log_softmax, gather: the reference the fused path must equal, row by row without padding."""
+    """Full logits, log_softmax, gather: the reference the scorer must equal, row by row without padding."""
     logps = torch.zeros(completion_ids.shape)
     top1 = torch.zeros(completion_ids.shape, dtype=torch.bool)
     entropy = torch.zeros(completion_ids.shape)
@@ -56,10 +56,10 @@ def test_local_teacher_matches_a_naive_unpadded_forward(tiny, tokenizer):
 
 
 def test_teacher_scoring_never_builds_batch_by_tokens_by_vocab(tokenizer):
-    """Peak tensor memory on a 262k-vocabulary teacher (Gemma-3 size), fused scoring against the naive log_softmax.
+    """Peak tensor memory on a 262k-vocabulary teacher (Gemma-3 size), the scorer against the naive log_softmax.
 
-    The fused head works in (tokens <= 4096, vocab <= 32768) tiles; its torch fallback on CPU keeps a few tiles alive,
-    so its peak is bounded by the tile, not by batch x tokens x vocab.
+    The scorer projects tiles of about 2^23 logits (32 positions here), so its peak is bounded by the tile, not by
+    batch x tokens x vocab.
     """
     vocab_size = 262144
     model = build_model(tokenizer, vocab_size=vocab_size, hidden_size=64, num_layers=1)
@@ -73,11 +73,33 @@ def test_teacher_scoring_never_builds_batch_by_tokens_by_vocab(tokenizer):
         del log_probs
 
     teacher = LocalTeacher(freeze_teacher(model), batch_size=4)
-    with TensorMemoryMeter() as fused:
+    with TensorMemoryMeter() as tiled:
         scores = teacher.score(*batch)
 
     mask = batch[3].bool()
     torch.testing.assert_close(scores.logps[mask], naive_logps[mask], atol=1e-4, rtol=1e-4)
     assert naive.largest >= full_logits_bytes  # the meter sees the naive path's logits
-    assert fused.largest < full_logits_bytes / 4
-    assert fused.peak < naive.peak / 3, f"fused peak {fused.peak / 2**20:.0f} MiB, naive {naive.peak / 2**20:.0f} MiB"
+    assert tiled.largest < full_logits_bytes / 4
+    assert tiled.peak < naive.peak / 3, f"tiled peak {tiled.peak / 2**20:.0f} MiB, naive {naive.peak / 2**20:.0f} MiB"
+
+
+def test_only_the_sampled_positions_are_projected_onto_the_vocabulary(tiny, tokenizer, monkeypatch):
+    """A prompt is most of a sequence (60 of 65 tokens on the real code task): its positions are context, never
+    projected; neither is completion padding. Counted at the one place logits are formed (`OutputHead.logits`)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_opd.heads import OutputHead
+
+    projected, logits = [], OutputHead.logits
+
+    def counted(head, hidden):
+        projected.append(len(hidden))
+        return logits(head, hidden)
+
+    monkeypatch.setattr(OutputHead, "logits", counted)
+    model = AutoModelForCausalLM.from_pretrained(tiny / "teacher")
+    batch = _batch(tokenizer, len(tokenizer), rows=3, prompt_len=40, completion_len=5)
+    scores = LocalTeacher(freeze_teacher(model), batch_size=2).score(*batch)
+    assert sum(projected) == batch[3].sum() == 13  # 5 + 3 + 5 sampled tokens, of 3 x 45 positions
+    expected_logps, _, _ = _naive_scores(model, *batch)
+    torch.testing.assert_close(scores.logps, expected_logps, atol=1e-5, rtol=1e-5)
