@@ -36,12 +36,31 @@ def run_one(method: str, args) -> dict:
 
     prompts = load_dataset("json", data_files=str(Path(args.task) / "train.jsonl"), split="train")
     heldout = [json.loads(line) for line in open(Path(args.task) / "heldout.jsonl")]
+    if method == "teacher":
+        return evaluate_teacher(args, heldout[: args.eval_prompts], printed_output_reward)
     run = run_method(method, args.student, args.teacher, prompts, heldout, steps=args.steps,
                      batch_size=args.batch_size, learning_rate=args.learning_rate, eval_every=args.steps,
                      eval_prompts=args.eval_prompts, seed=args.seed, max_completion_length=args.max_completion_length,
                      accuracy_func=printed_output_reward, lora_r=args.lora_r, greedy_accuracy=True)
     run["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return run
+
+
+def evaluate_teacher(args, heldout: list[dict], accuracy_func) -> dict:
+    """The teacher measured as the students are (same prompts, seed and sampling): its accuracy is the ceiling."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_opd.evaluation import heldout_reverse_kl
+
+    tokenizer = AutoTokenizer.from_pretrained(args.student)
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
+    metrics = heldout_reverse_kl(teacher, teacher, tokenizer, [row["prompt"] for row in heldout],
+                                 max_new_tokens=args.max_completion_length, seed=1234,
+                                 solutions=[row["solution"] for row in heldout], accuracy_func=accuracy_func,
+                                 greedy_accuracy=True)
+    return {"method": "teacher", "history": [{"step": 0, **metrics}],
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def _stderr(p: float, n: int) -> float:
@@ -65,6 +84,10 @@ def print_table(runs: list[dict], args) -> None:
 
     for run in runs:
         first, last = run["history"][0], run["history"][-1]
+        if run["method"] == "teacher":
+            print(f"| teacher (not trained) | {accuracy(first, 'accuracy_greedy')} | {accuracy(first, 'accuracy')} | "
+                  "0 | | | |")
+            continue
         ratio = run["seconds_per_step"] / reference["seconds_per_step"] if reference else float("nan")
         print(f"| {run['method']} | {accuracy(first, 'accuracy_greedy')} -> {accuracy(last, 'accuracy_greedy')} | "
               f"{accuracy(first, 'accuracy')} -> {accuracy(last, 'accuracy')} | {first['reverse_kl_exact']:.3f} -> "
@@ -78,8 +101,10 @@ def main() -> None:
     parser.add_argument("--student", default=str(REAL / "qwen2.5-coder-0.5b-instruct"))
     parser.add_argument("--teacher", default=str(REAL / "qwen2.5-coder-1.5b-instruct"))
     parser.add_argument("--task", default="artifacts/code_task")
-    parser.add_argument("--methods", nargs="+", default=["opd", "opd-sampled", "trl-distillation"],
-                        choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["teacher", "opd", "trl-distillation", "opd-sampled"],
+                        choices=["teacher", *METHODS], help="'teacher': the teacher evaluated the same way, untrained")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the runs already in --json (of other methods) and add these")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
@@ -95,6 +120,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args.one, args)))
         return
     runs = []
+    if args.append and Path(args.json).exists():
+        runs = [run for run in json.loads(Path(args.json).read_text())["runs"] if run["method"] not in args.methods]
     for method in args.methods:
         command = [sys.executable, __file__, *sys.argv[1:], "--one", method]
         out = subprocess.run(command, capture_output=True, text=True)
@@ -102,7 +129,7 @@ def main() -> None:
         if out.returncode != 0 or not lines:
             raise SystemExit(f"{method} failed:\n{out.stderr[-4000:]}")
         runs.append(json.loads(lines[-1][len("RESULT "):]))
-        print(f"{method}: {runs[-1]['seconds_per_step']:.1f} s/step", flush=True)
+        print(f"{method}: {runs[-1].get('seconds_per_step', 0.0):.1f} s/step", flush=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
     print_table(runs, args)
 

@@ -1,6 +1,7 @@
 """Where an OPD step's time goes: generation, teacher scoring, the student's update, and everything else.
 
     .venv/bin/python benchmarks/step_breakdown.py --recipe recipes/real_cpu.yaml --steps 6
+    .venv/bin/python benchmarks/step_breakdown.py --recipe recipes/real_cpu.yaml --steps 6 --trainer trl-distillation
     .venv/bin/python benchmarks/step_breakdown.py --recipe recipes/smoke_cpu.yaml --model_name_or_path ...
 
 Trains the recipe (extra arguments override it, as on the command line) for `--steps` steps with timers around the
@@ -11,6 +12,10 @@ trainer's own stages, and prints seconds per step and share for each:
 - everything else: the step time less those three (old log-probs when kept, batching, metrics, callbacks).
 The first step is left out (warm-up). The ratio of the step time to the sum of the three essential parts is the
 trainer's own overhead.
+
+`--trainer trl-distillation` times TRL's DistillationTrainer (reverse KL, beta 1) on the recipe's student, teacher,
+prompts, LoRA, learning rate, batch, completion length and seed, stage by stage the same way: there the teacher's
+forward runs inside the loss, and is taken out of the update.
 """
 
 from __future__ import annotations
@@ -36,16 +41,19 @@ class StageTimer:
     def __init__(self):
         self.current, self.steps, self.step_start = defaultdict(float), [], None
 
-    def wrap(self, owner, name: str, stage: str, *, subtract: str | None = None) -> None:
-        """Time `owner.name` into `stage`; with `subtract`, less the time that stage gained during the call."""
+    def wrap(self, owner, name: str, stage: str, *, subtract: tuple[str, ...] = (), when=None) -> None:
+        """Time `owner.name` into `stage`, less the time the `subtract` stages gained during the call; with `when`,
+        only the calls whose arguments it accepts."""
         method = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start, before = time.perf_counter(), self.current[subtract] if subtract else 0.0
+            if when is not None and not when(*args, **kwargs):
+                return method(*args, **kwargs)
+            start, before = time.perf_counter(), sum(self.current[other] for other in subtract)
             try:
                 return method(*args, **kwargs)
             finally:
-                inner = (self.current[subtract] - before) if subtract else 0.0
+                inner = sum(self.current[other] for other in subtract) - before
                 self.current[stage] += time.perf_counter() - start - inner
 
         setattr(owner, name, timed)
@@ -59,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--trainer", choices=("opd", "trl-distillation"), default="opd")
     parser.add_argument("--json", help="write the breakdown here")
     args, overrides = parser.parse_known_args(argv)
     script_args, training_args, model_args = cli.make_parser().parse_args_and_config([
@@ -66,13 +75,20 @@ def main(argv: list[str] | None = None) -> None:
         "--save_strategy", "no",
         "--report_to", "none", "--logging_steps", "1", "--output_dir", "/tmp/step_breakdown", *overrides,
     ])
-    trainer = cli.build_trainer(script_args, training_args, model_args)
     timer = StageTimer()
-    # the outermost stage first: input preparation (generation and scoring inside it) is not the update
-    timer.wrap(trainer, "_prepare_inputs", "preparation")
-    timer.wrap(trainer, "training_step", "student update", subtract="preparation")
+    if args.trainer == "opd":
+        trainer = cli.build_trainer(script_args, training_args, model_args)
+        timer.wrap(trainer.teacher, "score", "teacher scoring")
+        # the outermost stage first: input preparation (generation and scoring inside it) is not the update
+        timer.wrap(trainer, "_prepare_inputs", "preparation")
+        timer.wrap(trainer, "training_step", "student update", subtract=("preparation",))
+    else:
+        trainer = trl_distillation_trainer(script_args, training_args, model_args)
+        teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+        timer.wrap(trainer, "_get_last_hidden_state", "teacher scoring", when=lambda model, *a, **k: model is teacher)
+        timer.wrap(trainer, "_prepare_inputs", "preparation")
+        timer.wrap(trainer, "training_step", "student update", subtract=("preparation", "teacher scoring"))
     timer.wrap(trainer, "_generate", "generation")
-    timer.wrap(trainer.teacher, "score", "teacher scoring")
     optimizer_start = []
 
     class Steps(TrainerCallback):
@@ -98,14 +114,37 @@ def main(argv: list[str] | None = None) -> None:
     essential = sum(mean[stage] for stage in STAGES)
     rows = {stage: mean[stage] for stage in STAGES}
     rows["everything else"] = mean["step"] - essential
-    result = {"recipe": args.recipe, "overrides": overrides, "steps_measured": len(measured),
+    result = {"trainer": args.trainer, "recipe": args.recipe, "overrides": overrides, "steps_measured": len(measured),
               "seconds_per_step": mean["step"], "stages": rows, "overhead_ratio": mean["step"] / essential}
-    print(f"{len(measured)} steps after the first, {mean['step']:.2f} s per step:")
+    print(f"{args.trainer}: {len(measured)} steps after the first, {mean['step']:.2f} s per step:")
     for stage, seconds in rows.items():
         print(f"  {stage:<16} {seconds:7.2f} s  {seconds / mean['step']:6.1%}")
     print(f"  step / (generation + scoring + update) = {result['overhead_ratio']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def trl_distillation_trainer(script_args, training_args, model_args):
+    """TRL's DistillationTrainer (reverse KL, on-policy) with the recipe's models, data and training settings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import DistillationConfig, DistillationTrainer, get_peft_config
+
+    from trl_opd import cli
+
+    same = ("max_steps", "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
+            "max_completion_length", "temperature", "logging_steps", "lr_scheduler_type", "warmup_steps",
+            "weight_decay", "bf16", "gradient_checkpointing", "save_strategy", "report_to", "output_dir",
+            "disable_dropout")
+    config = DistillationConfig(**{name: getattr(training_args, name) for name in same}, beta=1.0)
+    dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else torch.float32
+    return DistillationTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype),
+        teacher_model=AutoModelForCausalLM.from_pretrained(training_args.teacher_model_name_or_path, dtype=dtype),
+        args=config,
+        train_dataset=cli.load_prompts(script_args, script_args.dataset_train_split),
+        peft_config=get_peft_config(model_args),
+    )
 
 
 if __name__ == "__main__":
