@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_opd.comparison import describe_machine
-from trl_opd.evaluation import stop_token_ids
+from trl_opd.evaluation import stop_token_ids, until_first_stop
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
 from trl_opd.teachers.vllm_server import VLLMServerTeacher
@@ -42,8 +42,7 @@ def rollouts(student_dir: str, prompts: list, *, max_new_tokens: int, seed: int 
     out = student.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                            max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
     completion = out[:, batch["input_ids"].size(1) :]
-    stops = torch.isin(completion, torch.tensor(stop)).int()
-    completion_mask = ((stops.cumsum(1) - stops) == 0).long()
+    completion_mask = until_first_stop(completion, stop).long()
     return tokenizer, (batch["input_ids"], batch["attention_mask"], completion, completion_mask)
 
 

@@ -56,17 +56,14 @@ def heldout_reverse_kl(
     torch.random.set_rng_state(generator_state)
     prompt_len = batch["input_ids"].size(1)
     completion = sequences[:, prompt_len:]
-    # tokens after the first stop token are padding that generate() appended
-    stops = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).int()
-    completion_mask = (stops.cumsum(1) - stops) == 0
+    completion_mask = until_first_stop(completion, stop_ids)
     attention_mask = torch.cat([batch["attention_mask"], completion_mask.long()], 1)
 
     sampled_sum = exact_sum = forward_sum = count = 0.0
+    keep = completion.size(1) + 1  # logits only at the states that predict the completion, none of the prompt's
     for row in range(sequences.size(0)):  # one row at a time bounds the (tokens, vocab) logits
         ids, mask = sequences[row : row + 1], attention_mask[row : row + 1]
         positions = completion_mask[row]
-        # logits only at the states that predict the completion (the prompt's are never projected)
-        keep = completion.size(1) + 1
         student_logp = student(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits[0, :-1] / temperature
         student_logp = student_logp.float().log_softmax(-1)[positions]
         teacher_logp = teacher(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits[0, :-1]
@@ -90,10 +87,8 @@ def heldout_reverse_kl(
             temperature=None, top_k=None, top_p=None, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
         )[:, prompt_len:]
-        greedy_stops = torch.isin(greedy, torch.tensor(stop_ids, device=greedy.device)).int()
-        greedy_mask = (greedy_stops.cumsum(1) - greedy_stops) == 0
-        metrics["accuracy_greedy"] = _accuracy(tokenizer, greedy, greedy_mask, accuracy_func, prompts=prompts,
-                                               solutions=solutions)
+        metrics["accuracy_greedy"] = _accuracy(tokenizer, greedy, until_first_stop(greedy, stop_ids), accuracy_func,
+                                               prompts=prompts, solutions=solutions)
     student.train(was_training)
     return metrics
 
@@ -108,6 +103,13 @@ def _accuracy(tokenizer, completion, completion_mask, accuracy_func, *, prompts:
     scores = accuracy_func(completions=completions, solution=solutions, prompts=prompts)
     scored = [s for s in scores if s is not None]
     return sum(scored) / len(scored) if scored else float("nan")
+
+
+def until_first_stop(completion: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
+    """(B, T) bool: True up to and including each row's first stop token; what `generate` appended after it (padding)
+    is False."""
+    stops = torch.isin(completion, torch.tensor(stop_ids, device=completion.device)).int()
+    return (stops.cumsum(1) - stops) == 0
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:

@@ -104,7 +104,7 @@ def completion_texts(model, tokenizer, prompts: list, *, max_new_tokens: int = 4
     ids GRPO's training stops at (`stop_token_ids`)."""
     import torch
 
-    from ..evaluation import stop_token_ids
+    from ..evaluation import stop_token_ids, until_first_stop
 
     stop = stop_token_ids(model, tokenizer)
     texts, lengths = [], []
@@ -119,8 +119,7 @@ def completion_texts(model, tokenizer, prompts: list, *, max_new_tokens: int = 4
                                  eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
         completion = out[:, batch["input_ids"].size(1) :]
         texts += tokenizer.batch_decode(completion, skip_special_tokens=True)
-        stops = torch.isin(completion, torch.tensor(stop)).int()
-        lengths += ((stops.cumsum(1) - stops) == 0).sum(1).tolist()  # up to and including the first stop token
+        lengths += until_first_stop(completion, stop).sum(1).tolist()  # its first stop token included
     return (texts, lengths) if with_lengths else texts
 
 
