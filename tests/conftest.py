@@ -114,3 +114,11 @@ def teacher_server(teacher_server_process):
     except RuntimeError as error:
         pytest.fail(str(error))
     return teacher_server_process.url
+
+
+@pytest.fixture(scope="session")
+def tiny_other_teacher(tmp_path_factory):
+    """A teacher of another model family for the tiny pair: its own tokenizer and chat template (a few seconds)."""
+    from trl_opd.testing import make_tiny_other_teacher
+
+    return make_tiny_other_teacher(tmp_path_factory.mktemp("tiny_other_teacher"))

@@ -70,14 +70,16 @@ def check_tokenizers_compatible(student_tokenizer, teacher_tokenizer, *, student
                 f"The student ({student_name}) and teacher ({teacher_name}) tokenizers differ: token id {index} is "
                 f"{student_vocab[index]!r} for the student and {teacher_vocab.get(index)!r} for the teacher. The "
                 "teacher scores the student's token ids as they are, so both must share one vocabulary (e.g. two "
-                "sizes of the same model family)."
+                "sizes of the same model family). For a teacher from another model family, set "
+                "teacher_tokenizer_mode: cross (it scores the sampled text in its own tokens)."
             )
     for role in ("bos_token_id", "eos_token_id"):
         student_id, teacher_id = getattr(student_tokenizer, role), getattr(teacher_tokenizer, role)
         if student_id != teacher_id:
             raise ValueError(
                 f"The student ({student_name}) and teacher ({teacher_name}) disagree on {role}: {student_id} vs "
-                f"{teacher_id}. Use a teacher from the student's model family, or align the special tokens."
+                f"{teacher_id}. Use a teacher from the student's model family, align the special tokens, or set "
+                "teacher_tokenizer_mode: cross (the teacher scores the sampled text in its own tokens)."
             )
 
 
@@ -232,8 +234,9 @@ def check_model_files(model, teacher_model, args) -> None:
     check_weight_files(args.teacher_adapter_name_or_path, role="teacher adapter")
 
 
-def check_chat_template(tokenizer, dataset, *, name: str) -> None:
-    """Chat prompts need a chat template to render them, which a base model's tokenizer may not have."""
+def check_chat_template(tokenizer, dataset, *, name: str, role: str = "student") -> None:
+    """Chat prompts need a chat template to render them, which a base model's tokenizer may not have. `role`: whose
+    tokenizer renders them (a cross-tokenizer teacher renders its own)."""
     if getattr(tokenizer, "chat_template", None) or dataset is None:
         return
     try:
@@ -242,8 +245,8 @@ def check_chat_template(tokenizer, dataset, *, name: str) -> None:
         return
     if isinstance(first, list):
         raise ValueError(
-            f"{name}'s prompts are chat messages, but the student's tokenizer "
+            f"{name}'s prompts are chat messages, but the {role}'s tokenizer "
             f"({getattr(tokenizer, 'name_or_path', None) or type(tokenizer).__name__}) has no chat "
-            "template to render them. Use an instruction-tuned student, give the tokenizer a chat_template, or use "
+            f"template to render them. Use an instruction-tuned {role}, give the tokenizer a chat_template, or use "
             "text prompts (prompt_as_user_message: false with a text column)."
         )

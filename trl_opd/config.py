@@ -15,6 +15,7 @@ from .teachers.vllm_server import check_server_address, is_served
 OPD_OBJECTIVES = ("clipped", "importance_sampling")
 REWARD_COMBINATIONS = ("loss", "advantage")
 OPD_ESTIMATORS = ("sampled", "topk", "full")
+TOKENIZER_MODES = ("same", "cross")
 # GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -47,7 +48,26 @@ class OPDConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Path or Hub id of the frozen teacher. Used when the trainer is not given a `teacher_model`. The "
-            "teacher must share the student's tokenizer (checked at start-up)."
+            "teacher must share the student's tokenizer (checked at start-up), unless teacher_tokenizer_mode is "
+            "'cross'."
+        },
+    )
+    teacher_tokenizer_mode: str = field(
+        default="same",
+        metadata={
+            "help": "'same': the teacher scores the student's token ids, so both must share one tokenizer (checked at "
+            "start-up). 'cross': the teacher has its own tokenizer and chat template (another model family): it "
+            "reads the prompt through its own template and scores the text the student sampled, tokenised its way, "
+            "in chunks cut where both tokenisations have a token boundary; every student token of a chunk gets the "
+            "chunk's advantage. The sampled estimator only; one teacher (local or served).",
+            "choices": list(TOKENIZER_MODES),
+        },
+    )
+    teacher_tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "With teacher_tokenizer_mode 'cross': the teacher's tokenizer and chat template. Defaults to the "
+            "local teacher's own; required for a served teacher (the server's tokenisation is checked against it)."
         },
     )
     teacher_model_init_kwargs: dict[str, Any] | str | None = field(
@@ -248,6 +268,9 @@ class OPDConfig(GRPOConfig):
         """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known, and
         refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""
         source = self.teacher_source(teacher_model)
+        _check_tokenizer_mode(self, source)
+        if self.opd_estimator is None and self.teacher_tokenizer_mode == "cross":
+            self.opd_estimator = "sampled"
         if self.opd_estimator is None:
             if source == "local":
                 self.opd_estimator = "full"
@@ -364,6 +387,10 @@ class OPDConfig(GRPOConfig):
         if self.opd_estimator is not None and self.opd_estimator not in OPD_ESTIMATORS:
             raise ValueError(f"opd_estimator must be one of {OPD_ESTIMATORS}, got {self.opd_estimator!r}.")
         _check_estimator_source(self.opd_estimator, self.teacher_source())
+        if self.teacher_tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"teacher_tokenizer_mode must be one of {TOKENIZER_MODES}, got "
+                             f"{self.teacher_tokenizer_mode!r}.")
+        _check_tokenizer_mode(self, self.teacher_source())
         if self.opd_topk is not None and self.opd_topk < 1:
             raise ValueError(f"opd_topk must be at least 1, got {self.opd_topk}.")
         if self.opd_reward_combination not in REWARD_COMBINATIONS:
@@ -398,3 +425,30 @@ def _check_estimator_source(estimator: str | None, source: str | None) -> None:
     raise ValueError(
         f"opd_estimator='topk' needs one teacher model, local or served, not {named}. Use opd_estimator='sampled'."
     )
+
+
+def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
+    """What a cross-tokenizer teacher can and cannot do, refused before anything loads."""
+    if args.teacher_tokenizer_mode != "cross":
+        if args.teacher_tokenizer_name_or_path is not None:
+            raise ValueError(
+                "teacher_tokenizer_name_or_path is the tokenizer of a teacher from another model family, used with "
+                "teacher_tokenizer_mode: cross. A same-tokenizer teacher scores the student's ids with the student's "
+                "tokenizer: remove it, or set teacher_tokenizer_mode: cross."
+            )
+        return
+    if source in ("reference", "student_base"):
+        raise ValueError(
+            f"teacher_tokenizer_mode 'cross' is for a teacher with its own tokenizer; "
+            f"{'ref_as_teacher' if source == 'reference' else 'teacher_is_student_base'} is the student's own model. "
+            "Remove teacher_tokenizer_mode."
+        )
+    if source == "routed":
+        raise ValueError("teacher_tokenizer_mode 'cross' takes one teacher (local or served), not routed teachers "
+                         "(teachers): route rows to teachers that share the student's tokenizer.")
+    if args.opd_estimator not in (None, "sampled"):
+        raise ValueError(
+            f"opd_estimator={args.opd_estimator!r} compares the two models over one vocabulary at every position, "
+            "and a teacher with another tokenizer has another vocabulary. Use opd_estimator='sampled' (the default "
+            "with teacher_tokenizer_mode 'cross'), which scores the sampled text exactly."
+        )

@@ -25,6 +25,7 @@ def opd_advantages(
     *,
     coef: float = 1.0,
     discount: float = 0.0,
+    chunk_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token advantages `A[t] = coef * (log pi_T(a_t|s_t) - log pi_old(a_t|s_t)) * mask[t]`, shape (B, T).
 
@@ -32,13 +33,32 @@ def opd_advantages(
     action token, one factor of gamma per action: observations and template tokens between two turns are not steps
     of the student's and neither add a factor nor carry an advantage. Positions where `mask` is 0 are exactly 0 even
     if the log-probs there are NaN or inf (padding is never scored).
+
+    With `chunk_ends` (a teacher with another tokenizer, see `TeacherScores`), the actions are chunks of tokens: a
+    chunk's advantage is `coef * (log pi_T(chunk) - log pi_old(chunk))`, the teacher's chunk log-prob standing on
+    its last token, and every token of the chunk gets it, since the chunk's log-prob, whose score-function gradient
+    the objective takes, is the sum of its tokens'. The discount counts one step per chunk. With one chunk per token
+    this is the per-token advantage exactly.
     """
     mask = mask.bool()
     difference = torch.where(mask, teacher_per_token_logps - old_per_token_logps, 0.0)
-    advantages = coef * difference
-    if discount > 0.0:
-        advantages = torch.where(mask, discounted_future_sum(advantages, mask, gamma=discount), 0.0)
-    return advantages
+    if chunk_ends is None:
+        advantages = coef * difference
+        if discount > 0.0:
+            advantages = torch.where(mask, discounted_future_sum(advantages, mask, gamma=discount), 0.0)
+        return advantages
+    steps = chunk_ends.bool() & mask
+    rewards = coef * torch.where(steps, chunk_sums(difference, steps), 0.0)
+    # between steps, discounted_future_sum holds the next step's value: each token gets its chunk's (discounted) sum
+    return torch.where(mask, discounted_future_sum(rewards, steps, gamma=discount), 0.0)
+
+
+def chunk_sums(values: torch.Tensor, chunk_ends: torch.Tensor) -> torch.Tensor:
+    """`values` (B, T) summed over each chunk of consecutive positions (a chunk ends where `chunk_ends` is True), the
+    sum at every position of the chunk; positions after the last end form one more chunk."""
+    chunk = chunk_ends.long().cumsum(1) - chunk_ends.long()  # chunks ended before each position
+    sums = values.new_zeros(values.size(0), values.size(1) + 1).scatter_add_(1, chunk, values)
+    return sums.gather(1, chunk)
 
 
 def discounted_future_sum(values: torch.Tensor, mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
@@ -184,20 +204,28 @@ def opd_metric_sums(
     mask: torch.Tensor,
     teacher_is_top1: torch.Tensor | None = None,
     teacher_entropy: torch.Tensor | None = None,
+    chunk_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked sums behind the `opd/*` metrics, as one float vector that can be summed across processes.
 
     Turn the (summed) vector into metrics with `opd_metrics_from_sums`. A missing `teacher_is_top1` or
-    `teacher_entropy` contributes NaN, so the metric is absent rather than a misleading 0.
+    `teacher_entropy` contributes NaN, so the metric is absent rather than a misleading 0. With `chunk_ends` (see
+    `opd_advantages`), each token counts an equal share of its chunk's teacher log-prob and reverse-KL estimate, so
+    the means stay per student token and their sums per completion are the chunks' sums.
     """
     mask = mask.bool()
+    kl = reverse_kl_per_token(teacher_per_token_logps, old_per_token_logps)
+    if chunk_ends is not None:
+        steps = chunk_ends.bool() & mask
+        size = chunk_sums(mask.float(), steps).clamp(min=1.0)
+        teacher_per_token_logps = chunk_sums(torch.where(mask, teacher_per_token_logps, 0.0), steps) / size
+        kl = -chunk_sums(torch.where(mask, -kl, 0.0), steps) / size
 
     def total(x: torch.Tensor | None) -> torch.Tensor:
         if x is None:
             return torch.tensor(math.nan, device=mask.device)
         return torch.where(mask, x.float(), 0.0).sum()
 
-    kl = reverse_kl_per_token(teacher_per_token_logps, old_per_token_logps)
     sums = [
         mask.sum().float(),
         total(kl),

@@ -107,6 +107,7 @@ class OPDMetricsMixin:
             mask=mask,
             teacher_is_top1=scores.is_top1,
             teacher_entropy=scores.entropy,
+            chunk_ends=scores.chunk_ends,
         )
         counts = torch.tensor([float(mask.size(0)), completion_mask.sum().item()], device=sums.device)
         sums = self.accelerator.reduce(torch.cat([sums, counts]), reduction="sum")

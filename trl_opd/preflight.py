@@ -20,6 +20,7 @@ _REFERENCE_PASS = dict(
     opd_topk=None,
     teacher_model_name_or_path=None, teacher_server_url=None, teacher_is_student_base=False, teachers=None,
     teacher_adapter_name_or_path=None, teacher_temperature=1.0, teacher_system_prompt=None, teacher_prompt_column=None,
+    teacher_tokenizer_mode="same", teacher_tokenizer_name_or_path=None,
 )
 ZERO_KL_TOLERANCE = 1e-4
 
@@ -61,7 +62,10 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     rows = dataset.select(range(min(len(dataset), teacher_args.generation_batch_size)))
 
     reference, _, _ = _one_batch_metrics(script_args, reference_args, model_args, rows)
-    echo("tokenizers: the student and the teacher agree (checked at start-up)")
+    cross = training_args.teacher_tokenizer_mode == "cross"
+    echo("tokenizers: the teacher has its own, and both give text back byte for byte (teacher_tokenizer_mode: "
+         "cross; checked at start-up)" if cross else
+         "tokenizers: the student and the teacher agree (checked at start-up)")
     teacher, trainer, output = _one_batch_metrics(script_args, teacher_args, model_args, rows)
 
     prompt = rows[0]["prompt"]
@@ -69,13 +73,22 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
                                       system=training_args.teacher_system_prompt)
     student_tokenizer = trainer.processing_class
     teacher_name = training_args.teacher_model_name_or_path
-    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_name) if teacher_name else student_tokenizer
+    teacher_tokenizer = trainer.teacher_processing_class if cross else (
+        AutoTokenizer.from_pretrained(teacher_name) if teacher_name else student_tokenizer)
     echo(f"first prompt, student's chat template: {_render(student_tokenizer, prompt)!r}")
     echo(f"first prompt, teacher's chat template: {_render(teacher_tokenizer, shown_to_teacher)!r}")
-    echo("  (the teacher scores the student's rendering of its own prompt, token for token; a different template "
+    echo("  (the teacher reads its own rendering, shown here)" if cross else
+         "  (the teacher scores the student's rendering of its own prompt, token for token; a different template "
          "here means the teacher's own format differs from what it will see)")
 
-    _echo_rollout(trainer.processing_class, output, echo)
+    row = _echo_rollout(trainer.processing_class, output, echo)
+    if cross:
+        length = int(output["completion_mask"][row].sum())
+        ids = output["completion_ids"][row, :length].tolist()
+        sampled = output["action_mask"][row, :length].tolist()  # the distilled tokens
+        echo("the same rollout in both tokenisations, one column per chunk (each chunk's teacher log-prob is compared "
+             "with the sum of its student tokens'; ⟦...⟧ is not distilled):\n"
+             + trainer.teacher.side_by_side(ids, sampled))
 
     kl = reference["opd/reverse_kl"]
     ok = abs(kl) <= ZERO_KL_TOLERANCE
@@ -86,8 +99,9 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     return {"ok": ok, "reference": reference, "teacher": teacher}
 
 
-def _echo_rollout(tokenizer, output, echo) -> None:
-    """One rollout with what is distilled: a multi-turn one (observations present) if the batch has any."""
+def _echo_rollout(tokenizer, output, echo) -> int:
+    """One rollout with what is distilled: a multi-turn one (observations present) if the batch has any. Returns its
+    row."""
     from .multiturn import render_action_mask
 
     completion_mask, action_mask = output["completion_mask"], output["action_mask"]
@@ -99,3 +113,4 @@ def _echo_rollout(tokenizer, output, echo) -> None:
     prompt = tokenizer.decode(output["prompt_ids"][row][output["prompt_mask"][row].bool()])
     echo(f"a sampled rollout; the student is trained on every completion token outside ⟦...⟧ (the teacher reads all, "
          f"prompt included):\n⟦{prompt}⟧{rendered}")
+    return row

@@ -76,6 +76,60 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     return wrapped
 
 
+# A second model family for cross-tokenizer teachers: other special tokens, another chat template, other merges
+OTHER_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+OTHER_SPECIAL_TOKENS = ["<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# Words whose characters take 2 to 4 bytes in UTF-8, so that some tokens of a byte-level BPE end inside a character
+MULTIBYTE_WORDS = ["café", "naïve", "über", "中文", "数字", "答案", "🙂", "≥", "→", "π"]
+
+
+def other_family_tokenizer(vocab_size: int = 400, *, seed: int = 0):
+    """A byte-level BPE tokenizer of another "model family" than `build_tokenizer`'s: trained on the same arithmetic
+    text plus accented, CJK and emoji words (so some of its tokens end inside a UTF-8 character), with other merges,
+    other special tokens (eos `<|end|>`, pad `<pad>`) and another chat template (`<|user|>` ... `<|end|>`).
+
+    `vocab_size=len(OTHER_SPECIAL_TOKENS) + 256` leaves no room for merges: every token is one byte, so every
+    tokenisation of a text is the tokenizer's own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(3000):
+        question, answer = arithmetic_prompt(rng)
+        corpus.append(f"{question} {answer} " + " ".join(rng.sample(MULTIBYTE_WORDS, 3)))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=OTHER_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>", pad_token="<pad>",
+                                      additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+                                      padding_side="left")
+    wrapped.chat_template = OTHER_CHAT_TEMPLATE
+    return wrapped
+
+
+def make_tiny_other_teacher(output_dir: str | Path, *, steps: int = 300, overwrite: bool = False) -> Path:
+    """A teacher of another model family for the tiny pair (`other_family_tokenizer`), trained on the same answers
+    as `make_tiny`'s teacher, in `output_dir` (cached)."""
+    output_dir = Path(output_dir)
+    if (output_dir / "config.json").exists() and not overwrite:
+        return output_dir
+    tokenizer = other_family_tokenizer()
+    model = build_model(tokenizer, hidden_size=96, seed=1)
+    train_on_answers(model, tokenizer, steps=steps, seed=1)
+    tokenizer.save_pretrained(output_dir)
+    model.save_pretrained(output_dir)
+    return output_dir
+
+
 def digit_split_bpe(corpus, *, vocab_size: int):
     """A byte-level BPE tokenizer trained on `corpus`, digits split one per token, with ChatML's special tokens
     (eos `<|im_end|>`, pad `<|endoftext|>`) and left padding; no chat template yet.

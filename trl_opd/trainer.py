@@ -27,7 +27,8 @@ from .multiturn import action_mask
 from .prompts import teacher_prompt
 from .runs import RunSafetyMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
-from .teachers.loading import load_teachers
+from .teachers.cross import CrossTokenizerTeacher
+from .teachers.loading import load_cross_tokenizer, load_teachers
 from .teachers.local import freeze_teacher
 from .teachers.reference import ReferenceTeacher
 from .teachers.routed import RoutedTeacher
@@ -103,9 +104,16 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
                 student_name, padding_side="left", truncation_side="left", trust_remote_code=args.trust_remote_code
             )
         check_chat_template(processing_class, train_dataset, name="train_dataset")
+        student_tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if args.teacher_tokenizer_mode == "cross":
+            teacher_processing_class = load_cross_tokenizer(
+                teacher_model if teacher_model is not None else args.teacher_model_name_or_path
+                or (args.teacher_server_url or [None])[0],
+                args, student_tokenizer=student_tokenizer, teacher_tokenizer=teacher_processing_class,
+            )
+            check_chat_template(teacher_processing_class, train_dataset, name="train_dataset", role="teacher")
         teachers = load_teachers(
-            model, teacher_model, args, student_name=student_name,
-            student_tokenizer=getattr(processing_class, "tokenizer", processing_class),
+            model, teacher_model, args, student_name=student_name, student_tokenizer=student_tokenizer,
             teacher_tokenizer=teacher_processing_class,
         )
 
@@ -138,6 +146,7 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
             self.reward_weights = self.reward_weights[keep]
 
         self.accuracy_func = accuracy_func
+        self.teacher_processing_class = teacher_processing_class
         self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()
 
@@ -172,6 +181,11 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
                              "tokens: the top-k term compares at most that many. Lower opd_topk.")
         if args.opd_estimator == "full":  # refuse a pair of temperatures the kernel cannot apply, before training
             shared_temperature(self._student_head(self._student_causal_lm()), scorers["teacher"].output_head)
+        if args.teacher_tokenizer_mode == "cross":
+            return CrossTokenizerTeacher(
+                scorers["teacher"], student_tokenizer=self._tokenizer, teacher_tokenizer=self.teacher_processing_class,
+                stop_ids=self.eos_token_ids, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
+            )
         if not args.teachers:
             return scorers["teacher"]
         sharded = tuple(self.teacher_models) if self.is_deepspeed_enabled else ()  # ZeRO-3 forwards are collectives
@@ -233,9 +247,11 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
 
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         mask = self._action_mask(inputs, output)  # (B, T)
+        scores = self._score_with_teacher(inputs, output)
+        if scores.aligned is not None:  # a cross-tokenizer teacher: tokens in no aligned chunk are not distilled
+            mask = self._restrict_action_mask(output, scores)
         if mode == "train":
             self._count_completion_tokens(int(output["num_items_in_batch"]))  # all processes' action tokens
-        scores = self._score_with_teacher(inputs, output)
         if output.get("old_per_token_logps") is None and self.args.opd_coef == 0.0 and not self.reward_funcs:
             # A dense term alone: the advantage is 0 whatever the old log-probs, and on-policy they are the loss
             # forward's own, so the metrics that need them are logged from that forward (no extra student forward)
@@ -252,7 +268,8 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         self._check_finite(scores.logps, old_per_token_logps, mask)
 
         teacher_advantages = opd_advantages(
-            scores.logps, old_per_token_logps, mask, coef=self.args.opd_coef, discount=self.args.kl_discount_factor
+            scores.logps, old_per_token_logps, mask, coef=self.args.opd_coef, discount=self.args.kl_discount_factor,
+            chunk_ends=scores.chunk_ends,
         )  # (B, T)
         if not self.reward_funcs:
             output["advantages"] = teacher_advantages
@@ -273,10 +290,32 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         return mask
 
+    def _restrict_action_mask(self, output, scores: TeacherScores) -> torch.Tensor:
+        """Drop from the action mask the sampled tokens a cross-tokenizer teacher could not align (text past an
+        incomplete character), and log how coarse the alignment is: `opd/aligned_chunk_tokens_mean` student tokens
+        per chunk, `opd/unaligned_token_fraction` of the sampled tokens left out."""
+        sampled = output["action_mask"]
+        mask = sampled * scores.aligned.to(sampled.dtype)
+        counts = torch.stack([sampled.sum(), mask.sum(), (scores.chunk_ends & mask.bool()).sum()]).float()
+        sampled_count, aligned_count, chunks = self.accelerator.reduce(counts, reduction="sum").tolist()
+        mode = "train" if self.model.training else "eval"
+        if chunks:
+            self._metrics[mode]["opd/aligned_chunk_tokens_mean"].append(aligned_count / chunks)
+        self._metrics[mode]["opd/unaligned_token_fraction"].append(1.0 - aligned_count / max(sampled_count, 1.0))
+        output["action_mask"] = output["tool_mask"] = mask
+        output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
+        return mask
+
     def _score_with_teacher(self, inputs, output) -> TeacherScores:
         own_prompt = self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None
         if self.args.ref_as_teacher and own_prompt and "ref_per_token_logps" in output:
             return TeacherScores(logps=output["ref_per_token_logps"])  # GRPO already computed them for its KL term
+        if isinstance(self.teacher, CrossTokenizerTeacher):  # the teacher renders the prompts with its own template
+            prompts = [teacher_prompt(row, seen, column=self.args.teacher_prompt_column,
+                                      system=self.args.teacher_system_prompt)
+                       for row, seen in zip(inputs, self._student_prompts, strict=True)]
+            return self.teacher.score(prompts, output["completion_ids"], output["completion_mask"],
+                                      output["action_mask"])
         prompt_ids, prompt_mask = self._teacher_prompts(inputs, output)
         batch = (prompt_ids, prompt_mask, output["completion_ids"], output["completion_mask"])
         if self.args.teachers:

@@ -21,6 +21,11 @@ class TeacherScores:
     hidden: torch.Tensor | None = None  # (B, T, H) final hidden states at s_t, for the full estimator; local only
     topk_ids: torch.Tensor | None = None  # (B, T, k) the teacher's k most likely tokens at s_t, for the topk estimator
     topk_logps: torch.Tensor | None = None  # (B, T, k) their log-probs, in decreasing order
+    # A teacher with another tokenizer scores chunks of text, not tokens: `logps` then holds each chunk's log-prob on
+    # its last student token (True in `chunk_ends`) and 0 on the others; `aligned` is False on sampled tokens in no
+    # chunk, which are not distilled. None: every token is its own chunk.
+    chunk_ends: torch.Tensor | None = None  # (B, T) bool
+    aligned: torch.Tensor | None = None  # (B, T) bool
 
 
 class TeacherScorer(Protocol):

@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
+from ..alignment import ByteVocabulary
 from ..checks import check_tokenizers_compatible, check_vocab_sizes
 from .vllm_server import VLLMServerTeacher, is_served
 
@@ -21,23 +22,24 @@ def load_local_teacher(teacher, args, *, student, student_name: str, student_tok
     """
     remote = args.trust_remote_code
     teacher_name = teacher if isinstance(teacher, str) else get_config_model_id(teacher.config)
-    if teacher_tokenizer is None and teacher_name:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_name, trust_remote_code=remote)
-    check_tokenizers_compatible(
-        student_tokenizer,
-        getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer) or student_tokenizer,
-        student_name=student_name,
-        teacher_name=teacher_name,
-    )
+    if args.teacher_tokenizer_mode == "same":  # a cross-tokenizer teacher's tokenizer is checked on its own
+        if teacher_tokenizer is None and teacher_name:
+            teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_name, trust_remote_code=remote)
+        check_tokenizers_compatible(
+            student_tokenizer,
+            getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer) or student_tokenizer,
+            student_name=student_name,
+            teacher_name=teacher_name,
+        )
 
-    def vocab_size(m) -> int:
-        config = AutoConfig.from_pretrained(m, trust_remote_code=remote) if isinstance(m, str) else m.config
-        return config.get_text_config().vocab_size
+        def vocab_size(m) -> int:
+            config = AutoConfig.from_pretrained(m, trust_remote_code=remote) if isinstance(m, str) else m.config
+            return config.get_text_config().vocab_size
 
-    check_vocab_sizes(
-        student_vocab_size=vocab_size(student), teacher_vocab_size=vocab_size(teacher),
-        student_name=student_name, teacher_name=teacher_name,
-    )
+        check_vocab_sizes(
+            student_vocab_size=vocab_size(student), teacher_vocab_size=vocab_size(teacher),
+            student_name=student_name, teacher_name=teacher_name,
+        )
     adapter = args.teacher_adapter_name_or_path
     if adapter is not None:
         check_adapter_base(adapter, teacher_name)
@@ -75,8 +77,33 @@ def check_adapter_base(adapter: str, teacher_name: str) -> None:
         )
 
 
-def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str) -> VLLMServerTeacher:
-    """A client for the teacher servers at `urls`, checked for health and tokenizer agreement."""
+def load_cross_tokenizer(teacher, args, *, student_tokenizer, teacher_tokenizer=None):
+    """The teacher's own tokenizer, for teacher_tokenizer_mode 'cross': `teacher_tokenizer` if given, else
+    teacher_tokenizer_name_or_path, else the local teacher's. Both tokenizers are checked to give text back byte for
+    byte, before any weights load."""
+    if teacher_tokenizer is None:
+        name = args.teacher_tokenizer_name_or_path
+        if name is None and isinstance(teacher, str) and not is_served(teacher):
+            name = teacher
+        elif name is None and hasattr(teacher, "config"):
+            name = get_config_model_id(teacher.config)
+        if not name:
+            raise ValueError(
+                "teacher_tokenizer_mode 'cross' needs the teacher's tokenizer: set teacher_tokenizer_name_or_path to "
+                "the teacher's path or Hub id (for a served teacher, the served model's), or pass "
+                "teacher_processing_class."
+            )
+        teacher_tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    teacher_tokenizer = getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer)
+    ByteVocabulary(student_tokenizer).check_lossless(role="student")
+    ByteVocabulary(teacher_tokenizer).check_lossless(role="teacher")
+    return teacher_tokenizer
+
+
+def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str,
+                           teacher_tokenizer=None) -> VLLMServerTeacher:
+    """A client for the teacher servers at `urls`, checked for health and tokenizer agreement: with the student's
+    tokenizer, or with `teacher_tokenizer` (a cross-tokenizer teacher)."""
     if args.teacher_temperature != 1.0:
         raise ValueError(
             "teacher_temperature applies to local teachers only: a vLLM server returns raw log-probs and cannot "
@@ -90,7 +117,10 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str) 
         max_retries=args.teacher_server_max_retries,
         topk=args.opd_topk if args.opd_estimator == "topk" else 0,
     )
-    teacher.connect(student_tokenizer, student_name=student_name)
+    if teacher_tokenizer is not None:
+        teacher.connect(teacher_tokenizer, student_name=teacher_tokenizer.name_or_path, cross_tokenizer=True)
+    else:
+        teacher.connect(student_tokenizer, student_name=student_name)
     return teacher
 
 
@@ -106,7 +136,8 @@ def load_teachers(model, teacher_model, args, *, student_name, student_tokenizer
     for name, source in sources.items():
         if is_served(source):
             sources[name] = connect_served_teacher(
-                source, args, student_tokenizer=student_tokenizer, student_name=student_name
+                source, args, student_tokenizer=student_tokenizer, student_name=student_name,
+                teacher_tokenizer=teacher_tokenizer if args.teacher_tokenizer_mode == "cross" else None,
             )
         else:
             sources[name] = load_local_teacher(

@@ -151,11 +151,16 @@ class VLLMServerTeacher:
 
     # ------------------------------------------------------------------ start-up
 
-    def connect(self, tokenizer, *, student_name: str) -> None:
-        """Check every server is healthy, tokenizes like the student and scores a probe. Raises before training.
+    def connect(self, tokenizer, *, student_name: str, cross_tokenizer: bool = False) -> None:
+        """Check every server is healthy, tokenizes like `tokenizer` and scores a probe. Raises before training.
 
-        The probe request also warms the server up (its first scoring request is the slow one).
+        `tokenizer` is the student's, or with `cross_tokenizer` the teacher's own (named by `student_name` then). The
+        probe request also warms the server up (its first scoring request is the slow one).
         """
+        whose = "the teacher tokenizer" if cross_tokenizer else "the student"
+        why = ("teacher_tokenizer_name_or_path must be the served model's tokenizer." if cross_tokenizer else
+               "The teacher scores the student's token ids as they are, so both must share one vocabulary (or set "
+               "teacher_tokenizer_mode: cross for a teacher from another model family).")
         expected = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
         for url in self.urls:
             self._request("GET", url, "/health")
@@ -173,11 +178,10 @@ class VLLMServerTeacher:
             if served != expected:
                 position = _first_difference(served, expected)
                 raise ValueError(
-                    f"The teacher served at {mask_urls(url)} ({model}) tokenizes differently from the student "
+                    f"The teacher served at {mask_urls(url)} ({model}) tokenizes differently from {whose} "
                     f"({student_name}): on the probe {_TOKENIZER_PROBE!r}, token {position} is "
                     f"{served[position] if position < len(served) else None} on the server and "
-                    f"{expected[position] if position < len(expected) else None} for the student. The teacher scores "
-                    "the student's token ids as they are, so both must share one vocabulary."
+                    f"{expected[position] if position < len(expected) else None} for {whose}. {why}"
                 )
             # every special and added token (chat markers such as <|im_end|>, <think>, tool tags) and bos/eos
             added = [t.content for _, t in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())]
@@ -190,7 +194,7 @@ class VLLMServerTeacher:
                     ids = list(answer["tokens"])
                 if ids != [tokenizer.convert_tokens_to_ids(token)]:
                     raise ValueError(
-                        f"The teacher served at {mask_urls(url)} ({model}) does not read the student's special token "
+                        f"The teacher served at {mask_urls(url)} ({model}) does not read {whose}'s special token "
                         f"{token!r} as id {tokenizer.convert_tokens_to_ids(token)} (it reads {ids})."
                     )
             try:

@@ -1,0 +1,282 @@
+"""Teachers with another tokenizer: byte alignment, exact chunk sums, the teacher's own template, and the refusals."""
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_opd import OPDTrainer
+from trl_opd.alignment import ByteVocabulary, align_bytes
+from trl_opd.loss import opd_advantages, opd_metric_sums, opd_metrics_from_sums
+from trl_opd.teachers import LocalTeacher
+from trl_opd.teachers.cross import CrossTokenizerTeacher
+from trl_opd.teachers.local import freeze_teacher
+from trl_opd.testing import OTHER_SPECIAL_TOKENS, build_model, other_family_tokenizer
+
+# the same text in both tokenisers, with characters of 2, 3 and 4 UTF-8 bytes that byte-level tokens split
+TEXTS = ["3 plus 4 is 7. The answer is 7.", "café 中文 🙂 → 12 times 3 is 36.", "naïve π ≥ 3, 数字 答案 üb"]
+
+
+# ------------------------------------------------------------------------------------------------- the alignment
+
+
+def test_chunks_are_cut_where_both_tokenisations_end_a_token():
+    student = [b"ab", b"c", b"de", b"\xe4", b"\xb8\xad"]  # "abcde中", the last character split 1 + 2 bytes
+    teacher = [b"a", b"bc", b"d", b"e\xe4\xb8", b"\xad"]  # split 2 + 1, inside a token that also holds "e"
+    assert align_bytes(student, teacher) == ([0, 0, 1, 1, 1], [0, 0, 1, 1, 1], 2)
+    # a cut inside a character: both end a token after its first byte
+    assert align_bytes([b"\xe4", b"\xb8\xad"], [b"\xe4", b"\xb8", b"\xad"]) == ([0, 1], [0, 1, 1], 2)
+    # where the two texts part (the teacher tokenised a shorter or a normalised text), no chunk reaches past it
+    assert align_bytes([b"ab", b"cd", b"ef"], [b"ab", b"cd", b"eX"]) == ([0, 1, -1], [0, 1, -1], 2)
+    assert align_bytes([b"ab", b"c", b"\xe4"], [b"ab", b"c"]) == ([0, 1, -1], [0, 1], 2)
+
+
+def test_tokens_are_read_as_bytes_and_lossy_tokenizers_are_refused():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = other_family_tokenizer()
+    vocabulary = ByteVocabulary(tokenizer)
+    vocabulary.check_lossless(role="teacher")
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert b"".join(vocabulary(ids)) == text.encode()
+    assert vocabulary([tokenizer.eos_token_id]) == [b"<|end|>"]  # special tokens stand for their text
+    # bytes that spell no character (a cut inside one, or stray continuation bytes) as the single-byte tokens
+    data = "ab中".encode()[:-1] + b"\x80cd"
+    assert b"".join(vocabulary(vocabulary.encode_bytes(data))) == data
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1, "answer": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()  # drops the spaces: not lossless
+    with pytest.raises(ValueError, match=r"student's tokenizer .* does not give text back byte for byte"):
+        ByteVocabulary(PreTrainedTokenizerFast(tokenizer_object=words)).check_lossless(role="student")
+
+
+# ------------------------------------------------------------------------------------------------ the cross scorer
+
+
+@pytest.fixture(scope="module")
+def other_teacher(tiny_other_teacher):
+    return freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny_other_teacher))
+
+
+def _completions(tokenizer, texts, *, eos=True):
+    """Right-padded completions spelling `texts` in `tokenizer`'s own tokens, each closed by its eos."""
+    rows = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * eos for text in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    return ids, mask
+
+
+def _sequence_logp(model, prompt: list[int], completion: list[int]) -> float:
+    """log pi(completion | prompt) by one plain, unpadded forward."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logps = model(ids).logits.float().log_softmax(-1)[0, len(prompt) - 1 : -1]
+    return logps.gather(-1, torch.tensor(completion)[:, None]).sum().item()
+
+
+def test_chunk_signals_add_up_to_the_whole_text_log_prob_difference(tiny, tokenizer, tiny_other_teacher,
+                                                                      other_teacher):
+    """Sum over chunks of (log pi_T(chunk) - log pi_S(chunk)) = log pi_T(text) - log pi_S(text), each side by a plain
+    forward over its own tokens: the student's sampled ids; the teacher's tokenisation of the text plus its end of
+    turn, after each model's own rendering of the prompt. Multi-byte characters split inside tokens included, and a
+    completion cut inside a character, whose last bytes the teacher reads as its single-byte tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    student = AutoModelForCausalLM.from_pretrained(tiny / "student")
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    cross = CrossTokenizerTeacher(LocalTeacher(other_teacher, batch_size=2), student_tokenizer=tokenizer,
+                                  teacher_tokenizer=teacher_tokenizer, stop_ids=[tokenizer.eos_token_id])
+    prompts = [[{"role": "user", "content": f"Say {text[:5]}"}] for text in TEXTS]
+    completion_ids, completion_mask = _completions(tokenizer, TEXTS)
+    cut = len(tokenizer(TEXTS[2], add_special_tokens=False)["input_ids"]) - 2  # row 2: cut inside "ü", no eos
+    completion_ids[2, cut:], completion_mask[2, cut:] = tokenizer.pad_token_id, 0
+    scores = cross.score(prompts, completion_ids, completion_mask, completion_mask)
+
+    student_bytes = ByteVocabulary(tokenizer)
+    pieces = student_bytes(completion_ids[1][completion_mask[1].bool()].tolist())
+    assert any(len(piece) == 1 and 0x80 <= piece[0] < 0xC0 for piece in pieces)  # a token ends inside a character
+    student_prompt = [tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in prompts]
+    teacher_prompt = [teacher_tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"]
+                      for p in prompts]
+    for i in range(len(TEXTS)):
+        sampled = completion_ids[i][completion_mask[i].bool()].tolist()
+        spelled = b"".join(student_bytes([t for t in sampled if t != tokenizer.eos_token_id]))
+        text = spelled.decode(errors="ignore")
+        dangling = spelled[len(text.encode()):]  # row 2: the first byte of "ü"
+        assert bool(dangling) == (i == 2)
+        teacher_ids = teacher_tokenizer(text, add_special_tokens=False)["input_ids"]
+        teacher_ids += [teacher_tokenizer.convert_tokens_to_ids(bytes_to_unicode()[b]) for b in dangling]
+        teacher_ids += [teacher_tokenizer.eos_token_id] if sampled[-1] == tokenizer.eos_token_id else []
+        expected = (_sequence_logp(other_teacher, teacher_prompt[i], teacher_ids)
+                    - _sequence_logp(student, student_prompt[i], sampled))
+        with torch.no_grad():
+            student_logps = student(torch.tensor([student_prompt[i] + sampled])).logits.log_softmax(-1)[
+                0, len(student_prompt[i]) - 1 : -1].gather(-1, torch.tensor(sampled)[:, None])[:, 0]
+        chunk_signal = (scores.logps[i, : len(sampled)] - student_logps).sum().item()
+        assert chunk_signal == pytest.approx(expected, abs=1e-4)
+    assert scores.aligned[completion_mask.bool()].all()  # every sampled token is in a chunk
+    assert not scores.aligned[~completion_mask.bool()].any()
+    assert scores.chunk_ends.sum() < completion_mask.sum()  # chunks of several student tokens exist
+
+
+def test_observations_never_enter_a_distilled_chunk(tokenizer):
+    teacher_tokenizer = other_family_tokenizer()
+    cross = CrossTokenizerTeacher(None, student_tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
+                                  stop_ids=[tokenizer.eos_token_id])
+    turn = tokenizer("12 plus 7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    observation = tokenizer("\n<|im_start|>user\nresult: 19 café<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False)["input_ids"]
+    answer = tokenizer("is 19.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = turn + observation + answer
+    action = [1] * len(turn) + [0] * len(observation) + [1] * len(answer)
+    teacher_ids, teacher_chunk, student_chunk = cross.translate(ids, action)
+
+    assert all(chunk == -1 for chunk, a in zip(student_chunk, action, strict=True) if not a)
+    assert all(chunk >= 0 for chunk, a in zip(student_chunk, action, strict=True) if a)
+    # the teacher reads the observation as context, in its own tokens, outside every chunk
+    context = teacher_tokenizer(tokenizer.decode(observation), add_special_tokens=False)["input_ids"]
+    start = teacher_chunk.index(-1)
+    assert teacher_ids[start : start + len(context)] == context
+    assert teacher_chunk[start : start + len(context)] == [-1] * len(context)
+    # each sampled end of turn is the teacher's own end-of-turn token, a chunk of its own
+    ends = [k for k, token in enumerate(ids) if token == tokenizer.eos_token_id and action[k]]
+    assert len(ends) == 2
+    for k in ends:
+        assert student_chunk.count(student_chunk[k]) == 1
+        assert teacher_ids[teacher_chunk.index(student_chunk[k])] == teacher_tokenizer.convert_tokens_to_ids("<|end|>")
+    assert OTHER_SPECIAL_TOKENS[1] == "<|end|>"
+
+
+def test_chunk_advantages_go_to_every_token_of_the_chunk():
+    teacher = torch.tensor([[0.0, -3.0, 0.0, 0.0, -1.0, 0.0]])  # chunk log-probs on each chunk's last token
+    old = torch.tensor([[-0.5, -1.0, -0.2, -0.3, -0.4, -9.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    ends = torch.tensor([[False, True, False, False, True, False]])
+    # chunk 1: -3 - (-1.5) = -1.5 on tokens 0-1; chunk 2: -1 - (-0.9) = -0.1 on tokens 2-4; padding 0
+    expected = torch.tensor([[-1.5, -1.5, -0.1, -0.1, -0.1, 0.0]])
+    torch.testing.assert_close(opd_advantages(teacher, old, mask, chunk_ends=ends), expected)
+    torch.testing.assert_close(opd_advantages(teacher, old, mask, coef=2.0, chunk_ends=ends), 2 * expected)
+    # discount: one factor per chunk, so chunk 1 adds 0.5 * chunk 2
+    discounted = torch.tensor([[-1.55, -1.55, -0.1, -0.1, -0.1, 0.0]])
+    torch.testing.assert_close(opd_advantages(teacher, old, mask, discount=0.5, chunk_ends=ends), discounted)
+    # one chunk per token is the per-token advantage, bit for bit
+    per_token = torch.randn(1, 6)
+    assert torch.equal(opd_advantages(per_token, old, mask, discount=0.3, chunk_ends=mask.bool()),
+                       opd_advantages(per_token, old, mask, discount=0.3))
+    metrics = opd_metrics_from_sums(opd_metric_sums(teacher_per_token_logps=teacher, old_per_token_logps=old,
+                                                    advantages=expected, mask=mask, chunk_ends=ends))
+    assert metrics["opd/reverse_kl"] == pytest.approx((1.5 + 0.1) / 5)  # the chunks' sum, per student token
+    assert metrics["opd/teacher_logp"] == pytest.approx(-4.0 / 5)
+
+
+# ------------------------------------------------------------------------------------------------- in the trainer
+
+
+def _byte_pair(tmp_path):
+    """A student and a teacher over one byte-per-token tokenizer: whatever the student samples, text or stray bytes,
+    is the tokenizer's own tokenisation of its bytes, so the cross path must reproduce the same-tokenizer path
+    exactly."""
+    tokenizer = other_family_tokenizer(vocab_size=len(OTHER_SPECIAL_TOKENS) + 256)
+    for name, hidden, seed in (("student", 64, 0), ("teacher", 96, 1)):
+        build_model(tokenizer, hidden_size=hidden, seed=seed).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    return tmp_path / "student", tmp_path / "teacher"
+
+
+def test_with_one_tokenizer_the_cross_path_is_the_same_path(tmp_path, prompts, make_config):
+    student, teacher = _byte_pair(tmp_path)
+    runs = {}
+    for mode in ("same", "cross"):
+        config = make_config(output_dir=str(tmp_path / mode), teacher_tokenizer_mode=mode, max_steps=3,
+                             max_completion_length=12)
+        trainer = OPDTrainer(model=str(student), teacher_model=str(teacher), args=config,
+                             train_dataset=prompts.select(range(12)))
+        trainer.train()
+        runs[mode] = trainer
+    same, cross = runs["same"], runs["cross"]
+    for before, after in zip(same.state.log_history[:-1], cross.state.log_history[:-1], strict=True):
+        for name, value in before.items():
+            if name.startswith(("opd/", "loss", "grad_norm")) and name not in ("opd/teacher_agreement",
+                                                                                  "opd/teacher_entropy"):
+                assert after[name] == value, name
+        assert after["opd/aligned_chunk_tokens_mean"] == 1.0 and after["opd/unaligned_token_fraction"] == 0.0
+    for p, q in zip(same.model.parameters(), cross.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_the_teacher_reads_the_prompt_through_its_own_chat_template(tiny, prompts, make_config, tiny_other_teacher):
+    config = make_config(teacher_tokenizer_mode="cross", max_steps=1, teacher_system_prompt="Be exact.")
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny_other_teacher), args=config,
+                         train_dataset=prompts.select(range(4)))
+    seen = []
+    inner = trainer.teacher.scorer
+    original = inner.score
+
+    def recording(prompt_ids, prompt_mask, *rest):
+        seen.extend(ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True))
+        return original(prompt_ids, prompt_mask, *rest)
+
+    inner.score = recording
+    trainer.train()
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    expected = [teacher_tokenizer.apply_chat_template([{"role": "system", "content": "Be exact."}, *row["prompt"]],
+                                                      add_generation_prompt=True)["input_ids"]
+                for row in prompts.select(range(4))]
+    assert sorted(seen) == sorted(expected)  # in the order the sampler drew them
+    assert all(ids[0] == teacher_tokenizer.convert_tokens_to_ids("<|system|>") for ids in seen)
+    logged = trainer.state.log_history[0]
+    assert logged["opd/aligned_chunk_tokens_mean"] >= 1.0
+    assert logged["opd/unaligned_token_fraction"] == 0.0
+    assert "opd/teacher_agreement" not in logged  # a chunk has no single argmax to agree with
+
+
+def test_cross_tokenizer_configurations_that_cannot_work_are_refused(tiny, prompts, make_config,
+                                                                      tiny_other_teacher):
+    with pytest.raises(ValueError, match="opd_estimator='topk' compares the two models over one vocabulary"):
+        make_config(teacher_tokenizer_mode="cross", opd_estimator="topk", teacher_model_name_or_path="x")
+    with pytest.raises(ValueError, match="ref_as_teacher is the student's own model"):
+        make_config(teacher_tokenizer_mode="cross", ref_as_teacher=True)
+    with pytest.raises(ValueError, match="not routed teachers"):
+        make_config(teacher_tokenizer_mode="cross", teachers={"a": "x", "b": "y"})
+    with pytest.raises(ValueError, match="teacher_tokenizer_name_or_path is the tokenizer of a teacher from another"):
+        make_config(teacher_tokenizer_name_or_path="x")
+    with pytest.raises(ValueError, match="teacher_tokenizer_mode must be one of"):
+        make_config(teacher_tokenizer_mode="loose")
+    # the strict default names the option
+    with pytest.raises(ValueError, match="tokenizers differ.*teacher_tokenizer_mode: cross"):
+        OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny_other_teacher), args=make_config(),
+                   train_dataset=prompts)
+    # a cross run defaults to the sampled estimator whatever the source's usual default
+    config = make_config(teacher_tokenizer_mode="cross", opd_estimator=None)
+    config.resolve_estimator(str(tiny_other_teacher))
+    assert config.opd_estimator == "sampled"
+
+
+def test_text_prompts_are_tokenised_by_the_teacher(tiny, make_config, tiny_other_teacher):
+    dataset = Dataset.from_dict({"prompt": ["What is 2 plus 3?"] * 4})
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny_other_teacher),
+                         args=make_config(teacher_tokenizer_mode="cross", max_steps=1), train_dataset=dataset)
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    assert trainer.teacher.prompt_ids("What is 2 plus 3?") == teacher_tokenizer("What is 2 plus 3?")["input_ids"]
+    trainer.train()
+    assert trainer.state.log_history[0]["opd/aligned_chunk_tokens_mean"] >= 1.0
+
+
+def test_check_shows_both_tokenisations_of_a_rollout_chunk_by_chunk(tiny, tiny_other_teacher, tmp_path, capsys):
+    from trl_opd import cli
+
+    argv = ["check", "--config", "recipes/smoke_cpu.yaml", "--model_name_or_path", str(tiny / "student"),
+            "--teacher_model_name_or_path", str(tiny_other_teacher), "--teacher_tokenizer_mode", "cross",
+            "--dataset_name", str(tiny / "train.jsonl"), "--output_dir", str(tmp_path / "unused")]
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_code.value.code == 0
+    assert "reference as teacher: opd/reverse_kl = 0.000000 (OK" in out
+    assert "first prompt, teacher's chat template: '<|user|>\\nWhat is" in out
+    table = out.split("one column per chunk")[1].splitlines()
+    student, teacher = (next(line for line in table if line.startswith(who)) for who in ("student |", "teacher |"))
+    assert len(student) == len(teacher) and student.count("|") == teacher.count("|")  # the columns line up
