@@ -280,3 +280,13 @@ def test_check_shows_both_tokenisations_of_a_rollout_chunk_by_chunk(tiny, tiny_o
     table = out.split("one column per chunk")[1].splitlines()
     student, teacher = (next(line for line in table if line.startswith(who)) for who in ("student |", "teacher |"))
     assert len(student) == len(teacher) and student.count("|") == teacher.count("|")  # the columns line up
+
+
+def test_the_held_out_text_kl_of_a_model_against_itself_is_zero(tiny, tokenizer, prompts):
+    from trl_opd.evaluation import heldout_text_reverse_kl
+
+    student = AutoModelForCausalLM.from_pretrained(tiny / "student")
+    rows = [row["prompt"] for row in prompts.select(range(6))]
+    metrics = heldout_text_reverse_kl(student, tokenizer, student, tokenizer, rows, max_new_tokens=8, batch_size=4)
+    assert metrics["reverse_kl_per_sequence"] == pytest.approx(0.0, abs=1e-4)
+    assert metrics["characters"] > 6 and metrics["unaligned_token_fraction"] == 0.0

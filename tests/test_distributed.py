@@ -122,6 +122,19 @@ def test_a_student_with_tied_embeddings_under_zero3_matches_one_process(tiny, tm
     _assert_same_training(two, one, dense_metric="opd/reverse_kl_dense")
 
 
+def test_a_teacher_of_another_family_under_zero3_matches_one_process(tiny, tiny_other_teacher, tmp_path):
+    # teacher_tokenizer_mode cross: each rank renders its own rows for the teacher, whose sequences differ in length
+    # from rank to rank; the sharded teacher's forwards still run in step (one per teacher batch on every rank)
+    two, one = _train_both_ways(
+        lambda out: _args(tiny, out, "--use_peft", "true", "--teacher_tokenizer_mode", "cross",
+                          teacher=str(tiny_other_teacher)), tmp_path
+    )
+    sharded = _assert_same_training(two, one)
+    single = _history(one)
+    for a, b in zip(sharded, single, strict=True):
+        assert a["opd/aligned_chunk_tokens_mean"] == pytest.approx(b["opd/aligned_chunk_tokens_mean"])
+
+
 def test_a_served_teacher_under_zero3_trains_topk_like_one_process(teacher_server, tiny, tmp_path):
     two, one = _train_both_ways(lambda out: _args(tiny, out, "--use_peft", "true", teacher=teacher_server), tmp_path)
     _assert_same_training(two, one, dense_metric="opd/reverse_kl_topk")  # topk: the served teacher's default

@@ -195,9 +195,33 @@ def test_student_with_another_tokenizer_is_refused_at_start_up(teacher_server, p
     other = build_tokenizer(vocab_size=300)
     build_model(other).save_pretrained(tmp_path / "other")
     other.save_pretrained(tmp_path / "other")
-    with pytest.raises(ValueError, match=rf"served at {teacher_server} .* tokenizes differently from the student"):
+    message = rf"served at {teacher_server} .* tokenizes differently from the student .*teacher_tokenizer_mode: cross"
+    with pytest.raises(ValueError, match=message):
         OPDTrainer(model=str(tmp_path / "other"), args=make_config(teacher_server_url=teacher_server),
                    train_dataset=prompts)
+
+
+def test_a_served_teacher_of_another_family_scores_like_the_local_one(teacher_server, tiny, tiny_other_teacher,
+                                                                       prompts, make_config):
+    """teacher_tokenizer_mode cross with a served teacher: a student of another family (its own tokenizer and chat
+    template) from the served tiny teacher, whose tokenizer is given by path and checked against the server."""
+    served = OPDTrainer(
+        model=str(tiny_other_teacher), train_dataset=prompts,
+        args=make_config(max_steps=1, teacher_server_url=teacher_server, teacher_tokenizer_mode="cross",
+                         teacher_tokenizer_name_or_path=str(tiny / "teacher")),
+    )
+    served.train()
+    local = OPDTrainer(model=str(tiny_other_teacher), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                       args=make_config(max_steps=1, teacher_tokenizer_mode="cross"))
+    local.train()
+    served_log, local_log = _opd_logs(served)[0], _opd_logs(local)[0]
+    assert served_log["opd/reverse_kl"] == pytest.approx(local_log["opd/reverse_kl"], abs=1e-4)
+    assert served_log["opd/aligned_chunk_tokens_mean"] == local_log["opd/aligned_chunk_tokens_mean"]
+
+    with pytest.raises(ValueError, match="tokenizes differently from the teacher tokenizer .*must be the served"):
+        OPDTrainer(model=str(tiny_other_teacher), train_dataset=prompts,
+                   args=make_config(teacher_server_url=teacher_server, teacher_tokenizer_mode="cross",
+                                    teacher_tokenizer_name_or_path=str(tiny_other_teacher)))
 
 
 # ------------------------------------------------------------------------------------ faults, from a fake server

@@ -93,6 +93,91 @@ def heldout_reverse_kl(
     return metrics
 
 
+@torch.no_grad()
+def heldout_text_reverse_kl(
+    student, tokenizer, teacher, teacher_tokenizer, prompts: list, *, max_new_tokens: int = 32, seed: int = 0,
+    temperature: float = 1.0, batch_size: int = 16, solutions: list[str] | None = None, accuracy_func=None,
+    greedy_accuracy: bool = False,
+) -> dict[str, float]:
+    """KL(student || teacher) on the student's samples for a teacher with any tokenizer, per character of sampled text.
+
+    The student samples one completion per prompt (seeded); the teacher reads each prompt through its own chat
+    template and scores the completion's text in its own tokens, as a cross-tokenizer teacher does in training
+    (`CrossTokenizerTeacher`). `reverse_kl_per_char` is the sum over samples of log pi_S(text) - log pi_T(text)
+    divided by their characters (a stop token counts as one): a single-sample estimate, comparable across
+    tokenizers. `reverse_kl_per_sequence` is the mean per completion; `chunk_tokens` the student tokens per aligned
+    chunk. With `solutions` and `accuracy_func`, `accuracy` of the same samples, and with `greedy_accuracy` that of
+    the student's greedy answers (`accuracy_greedy`)."""
+    from .alignment import ByteVocabulary
+    from .teachers.cross import CrossTokenizerTeacher
+    from .teachers.local import LocalTeacher
+
+    was_training = student.training
+    student.eval()
+    device = next(student.parameters()).device
+    stop_ids = stop_token_ids(student, tokenizer)
+    cross = CrossTokenizerTeacher(LocalTeacher(teacher.eval(), batch_size=batch_size), student_tokenizer=tokenizer,
+                                  teacher_tokenizer=teacher_tokenizer, stop_ids=stop_ids)
+    student_bytes = ByteVocabulary(tokenizer)
+    totals = {"kl": 0.0, "characters": 0.0, "sequences": 0.0, "tokens": 0.0, "chunks": 0.0, "unaligned": 0.0}
+    completions, masks, greedy = [], [], []
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    for start in range(0, len(prompts), batch_size):
+        rows = prompts[start : start + batch_size]
+        batch = tokenizer([_render(tokenizer, p) for p in rows], return_tensors="pt", padding=True,
+                          padding_side="left", add_special_tokens=isinstance(rows[0], str)).to(device)
+        sequences = student.generate(
+            **batch, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, repetition_penalty=1.0,
+            max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
+        )
+        completion = sequences[:, batch["input_ids"].size(1) :]
+        completion_mask = until_first_stop(completion, stop_ids)
+        attention_mask = torch.cat([batch["attention_mask"], completion_mask.long()], 1)
+        logits = student(input_ids=sequences, attention_mask=attention_mask,
+                         logits_to_keep=completion.size(1) + 1).logits[:, :-1].float() / temperature
+        student_logps = logits.log_softmax(-1).gather(-1, completion[..., None])[..., 0]
+        scores = cross.score(rows, completion, completion_mask.long(), completion_mask.long())
+        aligned = scores.aligned
+        totals["kl"] += (student_logps - scores.logps)[aligned].sum().item()
+        totals["sequences"] += len(rows)
+        totals["tokens"] += aligned.sum().item()
+        totals["chunks"] += scores.chunk_ends.sum().item()
+        totals["unaligned"] += (completion_mask & ~aligned).sum().item()
+        for ids, keep in zip(completion, aligned, strict=True):
+            kept = ids[keep].tolist()
+            text = [token for token in kept if token not in stop_ids]
+            totals["characters"] += len(b"".join(student_bytes(text)).decode(errors="replace")) + len(kept) - len(text)
+        completions.append(completion), masks.append(completion_mask)
+        if greedy_accuracy and accuracy_func is not None:
+            greedy.append(student.generate(
+                **batch, do_sample=False, temperature=None, top_k=None, top_p=None, repetition_penalty=1.0,
+                max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_ids,
+            )[:, batch["input_ids"].size(1) :])
+    torch.random.set_rng_state(generator_state)
+    metrics = {"reverse_kl_per_char": totals["kl"] / max(totals["characters"], 1.0),
+               "reverse_kl_per_sequence": totals["kl"] / max(totals["sequences"], 1.0),
+               "chunk_tokens": totals["tokens"] / max(totals["chunks"], 1.0),
+               "unaligned_token_fraction": totals["unaligned"] / max(totals["tokens"] + totals["unaligned"], 1.0),
+               "characters": totals["characters"]}
+    if accuracy_func is not None:
+        metrics["accuracy"] = _accuracy(tokenizer, *_stacked(completions, masks, tokenizer.pad_token_id),
+                                        accuracy_func, prompts=prompts, solutions=solutions)
+    if greedy:
+        masks = [until_first_stop(completion, stop_ids) for completion in greedy]
+        metrics["accuracy_greedy"] = _accuracy(tokenizer, *_stacked(greedy, masks, tokenizer.pad_token_id),
+                                               accuracy_func, prompts=prompts, solutions=solutions)
+    student.train(was_training)
+    return metrics
+
+
+def _stacked(completions: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int):
+    """Batches of completions (and their masks) of different widths as one right-padded pair."""
+    width = max(completion.size(1) for completion in completions)
+    return (torch.cat([torch.nn.functional.pad(c, (0, width - c.size(1)), value=pad_id) for c in completions]),
+            torch.cat([torch.nn.functional.pad(m, (0, width - m.size(1))) for m in masks]))
+
+
 def _accuracy(tokenizer, completion, completion_mask, accuracy_func, *, prompts: list, solutions: list) -> float:
     """The mean of `accuracy_func` over the decoded completions, one per row of `prompts` and `solutions`; a None
     score (the function could not judge it) is skipped, as in training."""

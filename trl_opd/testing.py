@@ -88,21 +88,23 @@ OTHER_SPECIAL_TOKENS = ["<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assista
 MULTIBYTE_WORDS = ["café", "naïve", "über", "中文", "数字", "答案", "🙂", "≥", "→", "π"]
 
 
-def other_family_tokenizer(vocab_size: int = 400, *, seed: int = 0):
+def other_family_tokenizer(vocab_size: int = 400, *, seed: int = 0, corpus: list[str] | None = None):
     """A byte-level BPE tokenizer of another "model family" than `build_tokenizer`'s: trained on the same arithmetic
-    text plus accented, CJK and emoji words (so some of its tokens end inside a UTF-8 character), with other merges,
-    other special tokens (eos `<|end|>`, pad `<pad>`) and another chat template (`<|user|>` ... `<|end|>`).
+    text plus accented, CJK and emoji words (so some of its tokens end inside a UTF-8 character), or on `corpus`,
+    with other merges, other special tokens (eos `<|end|>`, pad `<pad>`) and another chat template (`<|user|>` ...
+    `<|end|>`).
 
     `vocab_size=len(OTHER_SPECIAL_TOKENS) + 256` leaves no room for merges: every token is one byte, so every
     tokenisation of a text is the tokenizer's own."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    rng = random.Random(seed)
-    corpus = []
-    for _ in range(3000):
-        question, answer = arithmetic_prompt(rng)
-        corpus.append(f"{question} {answer} " + " ".join(rng.sample(MULTIBYTE_WORDS, 3)))
+    if corpus is None:
+        rng = random.Random(seed)
+        corpus = []
+        for _ in range(3000):
+            question, answer = arithmetic_prompt(rng)
+            corpus.append(f"{question} {answer} " + " ".join(rng.sample(MULTIBYTE_WORDS, 3)))
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -186,6 +186,36 @@ def make_tiny_task(directory: str | Path, *, overwrite: bool = False, **settings
     return directory
 
 
+def make_other_family_teacher(directory: str | Path, *, overwrite: bool = False) -> Path:
+    """A teacher of another model family for the task built in `directory`, in `directory / "teacher_other"`: its
+    own tokenizer (numbers merge into multi-digit tokens where the student's are split one digit per token; other
+    special tokens and chat template, `other_family_tokenizer`), trained as the task's teacher is, on the same rows.
+    Cached; `accuracy.json` gets its accuracy as `teacher_other`."""
+    from ..testing import build_model, other_family_tokenizer
+
+    directory = Path(directory)
+    output = directory / "teacher_other"
+    accuracy = json.loads((directory / "accuracy.json").read_text())
+    if (output / "config.json").exists() and "teacher_other" in accuracy and not overwrite:
+        return output
+    settings = {**TASK_SETTINGS, **json.loads((directory / "DONE").read_text())}  # the task's own settings
+    corpus = [row["prompt"][0]["content"] + " " + row["completion"][0]["content"] for row in addition_rows(2000, 0)]
+    tokenizer = other_family_tokenizer(384, corpus=corpus)
+    sft_data = addition_dataset(4096, seed=10)  # the rows the task's teacher was trained on
+    heldout = [json.loads(line) for line in open(directory / "heldout.jsonl")]
+    teacher = build_model(tokenizer, hidden_size=settings["teacher_hidden"], seed=settings["seed"] + 1)
+    sft(teacher, tokenizer, sft_data, steps=settings["teacher_steps"], lr=settings["lr"], seed=settings["seed"] + 1)
+    sampled = task_accuracy(teacher, tokenizer, heldout, do_sample=True)
+    sampled, rounds = _train_teacher_on(teacher, tokenizer, sft_data, heldout, sampled, settings=settings,
+                                        seed=settings["seed"] + 1)
+    teacher.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    accuracy["teacher_other"] = {"greedy": task_accuracy(teacher, tokenizer, heldout), "sampled": sampled,
+                                 "extra_rounds": rounds}
+    (directory / "accuracy.json").write_text(json.dumps(accuracy, indent=1))
+    return output
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-opd make-tiny-task", description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", default="artifacts/tiny_task")
