@@ -197,15 +197,17 @@ def test_an_environment_with_its_own_reward_needs_groups(tiny_agent, make_config
                    environment_factory=Rewarded, args=make_config(max_completion_length=128))
 
 
-def _recorded_teacher_prompts(trainer):
-    """Wraps the teacher's scorer to keep the prompt ids it is given (left padding removed)."""
-    seen, score = [], trainer.teacher.score
+def _recorded_teacher_prompts(trainer, scorer=None):
+    """Wraps the teacher's scorer (or `scorer`, e.g. the one a cross-tokenizer teacher wraps) to keep the prompt ids
+    it is given (left padding removed)."""
+    scorer = trainer.teacher if scorer is None else scorer
+    seen, score = [], scorer.score
 
     def record(prompt_ids, prompt_mask, *args, **kwargs):
         seen.extend(ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True))
         return score(prompt_ids, prompt_mask, *args, **kwargs)
 
-    trainer.teacher.score = record
+    scorer.score = record
     return seen
 
 
@@ -264,16 +266,18 @@ def test_a_truncated_completion_with_an_action_mask_is_masked_out_not_refused(ti
     assert batch["num_items_in_batch"] == batch["action_mask"].sum()
 
 
+def _own_rendering(prompts, trainer):
+    """`scripted_rollout` with prompts the rollout rendered its own way (a prefix the trainer's template lacks)."""
+    result = scripted_rollout(prompts, trainer)
+    result["prompt_ids"] = [trainer.processing_class.encode("Q: ") + ids for ids in result["prompt_ids"]]
+    return result
+
+
 def test_a_teacher_only_prompt_needs_a_rollout_that_renders_prompts_like_the_trainer(tiny, prompts, make_config):
     # the teacher-only prompt is rendered with the trainer's template: that adds only the teacher's context if the
     # rollout rendered the student's prompt the same way; otherwise the two prompts would differ in more than that
-    def own_rendering(prompts, trainer):
-        result = scripted_rollout(prompts, trainer)
-        result["prompt_ids"] = [trainer.processing_class.encode("Q: ") + ids for ids in result["prompt_ids"]]
-        return result
-
     rows = [dict(prompts[i]) for i in range(4)]
-    for rollout, fails in ((scripted_rollout, False), (own_rendering, True)):
+    for rollout, fails in ((scripted_rollout, False), (_own_rendering, True)):
         trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
                              args=make_config(max_completion_length=64, teacher_system_prompt="Be exact."),
                              rollout_func=rollout)
@@ -288,3 +292,26 @@ def test_a_teacher_only_prompt_needs_a_rollout_that_renders_prompts_like_the_tra
         expected = [trainer.processing_class.apply_chat_template(system + row["prompt"], add_generation_prompt=True)[
             "input_ids"] for row in rows]
         assert seen == [list(ids) for ids in expected]
+
+
+def test_a_cross_tokenizer_teacher_needs_a_rollout_that_renders_prompts_like_the_trainer(tiny, tiny_other_teacher,
+                                                                                          prompts, make_config):
+    # a teacher with another tokenizer reads the prompt messages through its own template: that is the prompt the
+    # student read only if the rollout rendered the messages as the trainer does
+    from transformers import AutoTokenizer
+
+    rows = [dict(prompts[i]) for i in range(4)]
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    for rollout, fails in ((scripted_rollout, False), (_own_rendering, True)):
+        trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny_other_teacher), train_dataset=prompts,
+                             args=make_config(max_completion_length=64, teacher_tokenizer_mode="cross"),
+                             rollout_func=rollout)
+        seen = _recorded_teacher_prompts(trainer, trainer.teacher.scorer)
+        torch.manual_seed(0)
+        if fails:
+            with pytest.raises(ValueError, match="Row 0: the rollout function's prompt_ids are not the student's"):
+                trainer._generate_and_score_completions(rows)
+            continue
+        trainer._generate_and_score_completions(rows)
+        assert seen == [teacher_tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
+                        for row in rows]

@@ -6,7 +6,7 @@ offset where a student token and a teacher token both end. Each chunk then has a
 student tokens) and a teacher log-prob (the sum over its teacher tokens), both of exactly the chunk's bytes given
 exactly the same preceding text, so the chunks' log-prob differences add up to `log pi_T(text) - log pi_S(text)`.
 
-    vocabulary = ByteVocabulary(tokenizer)          # the bytes of every token id
+    vocabulary = ByteVocabulary.of(tokenizer)       # the bytes of every token id
     vocabulary.check_lossless(name="teacher")       # text -> ids -> bytes must give the text back
     teacher_ids = teacher_vocabulary.encode_bytes(b"".join(student_pieces))   # the same bytes, the teacher's way
     student_chunk, teacher_chunk, n = align_bytes(student_pieces, teacher_vocabulary(teacher_ids))
@@ -18,6 +18,7 @@ import bisect
 import itertools
 import json
 import re
+import weakref
 
 # Texts a tokenizer must give back byte for byte: words, digits, punctuation, runs of spaces, tabs and newlines,
 # accented letters, CJK and an emoji (4 UTF-8 bytes, split inside by most byte-level vocabularies)
@@ -94,6 +95,14 @@ class ByteVocabulary:
         self.byte_ids = {piece[0]: index for piece, index in sorted((self.table[i], i) for i in vocab.values())
                          if len(piece) == 1 and index not in tokenizer.added_tokens_decoder}
 
+    @classmethod
+    def of(cls, tokenizer) -> ByteVocabulary:
+        """The vocabulary of `tokenizer`, built once per tokenizer object (a 152k-token table takes about a second)."""
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        if tokenizer not in _BUILT:
+            _BUILT[tokenizer] = cls(tokenizer)
+        return _BUILT[tokenizer]
+
     def __call__(self, ids) -> list[bytes]:
         return [self.table[index] for index in ids]
 
@@ -130,6 +139,9 @@ class ByteVocabulary:
                     "distillation compares both models on the exact sampled text, so both tokenizers must be "
                     "lossless (byte-level BPE, or byte-fallback SentencePiece without an added prefix space)."
                 )
+
+
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its ByteVocabulary
 
 
 def align_bytes(student: list[bytes], teacher: list[bytes]) -> tuple[list[int], list[int], int]:

@@ -108,7 +108,6 @@ def heldout_text_reverse_kl(
     tokenizers. `reverse_kl_per_sequence` is the mean per completion; `chunk_tokens` the student tokens per aligned
     chunk. With `solutions` and `accuracy_func`, `accuracy` of the same samples, and with `greedy_accuracy` that of
     the student's greedy answers (`accuracy_greedy`)."""
-    from .alignment import ByteVocabulary
     from .teachers.cross import CrossTokenizerTeacher
     from .teachers.local import LocalTeacher
 
@@ -118,7 +117,6 @@ def heldout_text_reverse_kl(
     stop_ids = stop_token_ids(student, tokenizer)
     cross = CrossTokenizerTeacher(LocalTeacher(teacher.eval(), batch_size=batch_size), student_tokenizer=tokenizer,
                                   teacher_tokenizer=teacher_tokenizer, stop_ids=stop_ids)
-    student_bytes = ByteVocabulary(tokenizer)
     totals = {"kl": 0.0, "characters": 0.0, "sequences": 0.0, "tokens": 0.0, "chunks": 0.0, "unaligned": 0.0}
     completions, masks, greedy = [], [], []
     generator_state = torch.random.get_rng_state()
@@ -147,7 +145,7 @@ def heldout_text_reverse_kl(
         for ids, keep in zip(completion, aligned, strict=True):
             kept = ids[keep].tolist()
             text = [token for token in kept if token not in stop_ids]
-            totals["characters"] += len(b"".join(student_bytes(text)).decode(errors="replace")) + len(kept) - len(text)
+            totals["characters"] += len(b"".join(cross.student(text)).decode(errors="replace")) + len(kept) - len(text)
         completions.append(completion), masks.append(completion_mask)
         if greedy_accuracy and accuracy_func is not None:
             greedy.append(student.generate(

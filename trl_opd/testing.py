@@ -47,33 +47,37 @@ def arithmetic_answer_reward(completions, answer, **kwargs) -> list[float]:
 
 def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     """A byte-level BPE tokenizer with a ChatML template, trained on generated arithmetic text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     rng = random.Random(seed)
     corpus = []
     for _ in range(3000):
         question, answer = arithmetic_prompt(rng)
         corpus.append(f"{question} {answer} " + " ".join(rng.sample(NUMBER_WORDS, 3)))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-        padding_side="left",
-    )
+    wrapped = _byte_level_bpe(corpus, vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, eos_token="<|im_end|>",
+                              pad_token="<|endoftext|>")
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
+
+
+def _byte_level_bpe(corpus, *, vocab_size: int, special_tokens: list[str], eos_token: str, pad_token: str,
+                    split_digits: bool = False):
+    """A byte-level BPE tokenizer trained on `corpus` with left padding: `special_tokens` first (the ones other than
+    eos and pad become additional special tokens), then the 256 bytes, then merges up to `vocab_size`; with
+    `split_digits`, every digit is a token of its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                               if split_digits else byte_level)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=eos_token, pad_token=pad_token, padding_side="left",
+        additional_special_tokens=[token for token in special_tokens if token not in (eos_token, pad_token)],
+    )
 
 
 # A second model family for cross-tokenizer teachers: other special tokens, another chat template, other merges
@@ -96,24 +100,14 @@ def other_family_tokenizer(vocab_size: int = 400, *, seed: int = 0, corpus: list
 
     `vocab_size=len(OTHER_SPECIAL_TOKENS) + 256` leaves no room for merges: every token is one byte, so every
     tokenisation of a text is the tokenizer's own."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     if corpus is None:
         rng = random.Random(seed)
         corpus = []
         for _ in range(3000):
             question, answer = arithmetic_prompt(rng)
             corpus.append(f"{question} {answer} " + " ".join(rng.sample(MULTIBYTE_WORDS, 3)))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=OTHER_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|end|>", pad_token="<pad>",
-                                      additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
-                                      padding_side="left")
+    wrapped = _byte_level_bpe(corpus, vocab_size=vocab_size, special_tokens=OTHER_SPECIAL_TOKENS, eos_token="<|end|>",
+                              pad_token="<pad>")
     wrapped.chat_template = OTHER_CHAT_TEMPLATE
     return wrapped
 
@@ -137,19 +131,8 @@ def digit_split_bpe(corpus, *, vocab_size: int):
     (eos `<|im_end|>`, pad `<|endoftext|>`) and left padding; no chat template yet.
 
     Single digits make copying or adding numbers a per-token affair, whatever the spacing around them."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"], padding_side="left")
+    return _byte_level_bpe(corpus, vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, eos_token="<|im_end|>",
+                           pad_token="<|endoftext|>", split_digits=True)
 
 
 def build_model(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, vocab_size: int | None = None, seed: int = 0):

@@ -291,9 +291,10 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         return mask
 
     def _restrict_action_mask(self, output, scores: TeacherScores) -> torch.Tensor:
-        """Drop from the action mask the sampled tokens a cross-tokenizer teacher could not align (text past an
-        incomplete character), and log how coarse the alignment is: `opd/aligned_chunk_tokens_mean` student tokens
-        per chunk, `opd/unaligned_token_fraction` of the sampled tokens left out."""
+        """Drop from the action mask the sampled tokens a cross-tokenizer teacher could not align (its tokenizer
+        rewrote the text, or has no token for a byte), and log how coarse the alignment is:
+        `opd/aligned_chunk_tokens_mean` student tokens per chunk, `opd/unaligned_token_fraction` of the sampled tokens
+        left out."""
         sampled = output["action_mask"]
         mask = sampled * scores.aligned.to(sampled.dtype)
         counts = torch.stack([sampled.sum(), mask.sum(), (scores.chunk_ends & mask.bool()).sum()]).float()
@@ -311,11 +312,8 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         if self.args.ref_as_teacher and own_prompt and "ref_per_token_logps" in output:
             return TeacherScores(logps=output["ref_per_token_logps"])  # GRPO already computed them for its KL term
         if isinstance(self.teacher, CrossTokenizerTeacher):  # the teacher renders the prompts with its own template
-            prompts = [teacher_prompt(row, seen, column=self.args.teacher_prompt_column,
-                                      system=self.args.teacher_system_prompt)
-                       for row, seen in zip(inputs, self._student_prompts, strict=True)]
-            return self.teacher.score(prompts, output["completion_ids"], output["completion_mask"],
-                                      output["action_mask"])
+            return self.teacher.score(self._teacher_prompt_messages(inputs, output), output["completion_ids"],
+                                      output["completion_mask"], output["action_mask"])
         prompt_ids, prompt_mask = self._teacher_prompts(inputs, output)
         batch = (prompt_ids, prompt_mask, output["completion_ids"], output["completion_mask"])
         if self.args.teachers:
@@ -324,31 +322,38 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
 
     def _teacher_prompts(self, inputs, output) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message or column)."""
-        column, system = self.args.teacher_prompt_column, self.args.teacher_system_prompt
-        if column is None and system is None:
+        if self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None:
             return output["prompt_ids"], output["prompt_mask"]
-        student_prompts = self._student_prompts  # with any observation an environment's reset() appended
-        if self.rollout_func is not None:
-            self._check_rollout_prompts(student_prompts, output)
-        prompts = [teacher_prompt(row, seen, column=column, system=system)
-                   for row, seen in zip(inputs, student_prompts, strict=True)]
+        prompts = self._teacher_prompt_messages(inputs, output)
         prompt_ids = [torch.tensor(ids) for ids in self._tokenize_prompts(prompts)[0]]
         device = output["prompt_ids"].device
         padded = pad(prompt_ids, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
         mask = pad([torch.ones_like(ids) for ids in prompt_ids], padding_value=0, padding_side="left").to(device)
         return padded, mask
 
+    def _teacher_prompt_messages(self, inputs, output) -> list:
+        """The prompts the teacher reads, as text or chat messages: the student's as it saw them (with any observation
+        an environment's reset() appended), plus any teacher-only prompt (system message or column)."""
+        student_prompts = self._student_prompts
+        column, system = self.args.teacher_prompt_column, self.args.teacher_system_prompt
+        if self.rollout_func is not None:
+            self._check_rollout_prompts(student_prompts, output)
+        return [teacher_prompt(row, seen, column=column, system=system)
+                for row, seen in zip(inputs, student_prompts, strict=True)]
+
     def _check_rollout_prompts(self, student_prompts, output) -> None:
-        """A teacher-only prompt is rendered by the trainer's chat template; that only adds the teacher's context if
-        the rollout function rendered the student's prompt the same way. Refuse rather than compare two renderings."""
+        """The teacher's own prompt (a teacher-only prompt, or a cross-tokenizer teacher's rendering) is built from the
+        prompt messages; that is what the student read only if the rollout function rendered them as the trainer's
+        chat template does. Refuse rather than compare two renderings."""
         rendered = self._tokenize_prompts(student_prompts)[0]
         for i, (ids, ids_mask) in enumerate(zip(output["prompt_ids"], output["prompt_mask"], strict=True)):
             if ids[ids_mask.bool()].tolist() != list(rendered[i]):
                 raise ValueError(
                     f"Row {i}: the rollout function's prompt_ids are not the student's prompt as the trainer's chat "
-                    "template renders it, so the teacher-only prompt (teacher_system_prompt / teacher_prompt_column) "
-                    "cannot be rendered to match. Render prompts with the trainer's processing class and chat "
-                    "template in the rollout function, or put the teacher's context in the rollout's own prompt."
+                    "template renders it, so the teacher's own prompt (teacher_system_prompt / teacher_prompt_column, "
+                    "or a cross-tokenizer teacher's rendering) cannot be rendered to match. Render prompts with the "
+                    "trainer's processing class and chat template in the rollout function, or put the teacher's "
+                    "context in the rollout's own prompt."
                 )
 
     def _student_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:

@@ -71,8 +71,8 @@ class CrossTokenizerTeacher:
     def __init__(self, scorer: TeacherScorer, *, student_tokenizer, teacher_tokenizer, stop_ids,
                  tools=None, chat_template_kwargs=None):
         self.scorer = scorer
-        self.student = ByteVocabulary(student_tokenizer)
-        self.teacher = ByteVocabulary(teacher_tokenizer)
+        self.student = ByteVocabulary.of(student_tokenizer)
+        self.teacher = ByteVocabulary.of(teacher_tokenizer)
         self.student.check_lossless(role="student")
         self.teacher.check_lossless(role="teacher")
         self.teacher_tokenizer = self.teacher.tokenizer

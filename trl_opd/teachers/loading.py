@@ -95,8 +95,8 @@ def load_cross_tokenizer(teacher, args, *, student_tokenizer, teacher_tokenizer=
             )
         teacher_tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
     teacher_tokenizer = getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer)
-    ByteVocabulary(student_tokenizer).check_lossless(role="student")
-    ByteVocabulary(teacher_tokenizer).check_lossless(role="teacher")
+    ByteVocabulary.of(student_tokenizer).check_lossless(role="student")
+    ByteVocabulary.of(teacher_tokenizer).check_lossless(role="teacher")
     return teacher_tokenizer
 
 
