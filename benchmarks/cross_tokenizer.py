@@ -3,8 +3,9 @@
 Two pairs, each trained with the sampled estimator (the one a cross-tokenizer teacher supports):
 - `tiny`, a locally built pair with a known gap: the addition task's student (digits one per token, ChatML) from the
   task's own teacher (the same tokenizer) and from a teacher of another family trained the same way on the same rows
-  (`make_other_family_teacher`: multi-digit number tokens, other special tokens and chat template). Same steps,
-  batch, learning rate and seed for both.
+  (`make_other_family_teacher`: multi-digit number tokens, other special tokens and chat template), the latter with
+  each credit (`teacher_cross_credit`: `byte`, the default, and `chunk`). Same steps, batch, learning rate and seed
+  for all.
 - `real`: SmolLM2-135M-Instruct (its 49,152-token tokenizer, LoRA) from Qwen2.5-Coder-0.5B-Instruct (151,936 tokens)
   on the code task (what a short Python program prints).
 
@@ -32,11 +33,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REAL = Path("artifacts/real-models")
 PAIRS = {
-    "tiny": dict(task="artifacts/tiny_task", student="student", arms={"same tokenizer": ("teacher", "same"),
-                                                                       "other family": ("teacher_other", "cross")},
-                 learning_rate=3e-4, batch_size=32, max_completion_length=40, lora_r=None),
+    "tiny": dict(task="artifacts/tiny_task", student="student",
+                 arms={"same tokenizer": ("teacher", "same", None),
+                       "other family": ("teacher_other", "cross", "byte"),
+                       "other family, chunk credit": ("teacher_other", "cross", "chunk")},
+                 learning_rate=1e-4, batch_size=32, max_completion_length=40, lora_r=None),
     "real": dict(task="artifacts/code_task", student=str(REAL / "smollm2-135m-instruct"),
-                 arms={"other family": (str(REAL / "qwen2.5-coder-0.5b-instruct"), "cross")},
+                 arms={"other family": (str(REAL / "qwen2.5-coder-0.5b-instruct"), "cross", "byte"),
+                       "other family, chunk credit": (str(REAL / "qwen2.5-coder-0.5b-instruct"), "cross", "chunk")},
                  learning_rate=5e-4, batch_size=8, max_completion_length=16, lora_r=8),
 }
 
@@ -73,7 +77,7 @@ def run_arm(pair: str, arm: str, args) -> dict:
     settings = PAIRS[pair]
     task = Path(settings["task"])
     student_path = str(task / settings["student"]) if pair == "tiny" else settings["student"]
-    teacher_name, mode = settings["arms"][arm]
+    teacher_name, mode, credit = settings["arms"][arm]
     teacher_path = str(task / teacher_name) if pair == "tiny" else teacher_name
     prompts = load_dataset("json", data_files=str(task / "train.jsonl"), split="train")
     heldout = [json.loads(line) for line in open(task / "heldout.jsonl")][: args.eval_prompts]
@@ -91,10 +95,11 @@ def run_arm(pair: str, arm: str, args) -> dict:
         r = settings["lora_r"]
         peft["peft_config"] = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM")
     config = OPDConfig(
-        output_dir=str(Path(args.workdir) / f"{pair}-{mode}"), max_steps=args.steps, num_generations=1,
+        output_dir=str(Path(args.workdir) / f"{pair}-{mode}-{credit}"), max_steps=args.steps, num_generations=1,
         per_device_train_batch_size=settings["batch_size"], learning_rate=settings["learning_rate"],
         max_completion_length=settings["max_completion_length"], temperature=1.0, opd_estimator="sampled",
-        teacher_tokenizer_mode=mode, seed=args.seed, logging_steps=max(args.steps // 4, 1), save_strategy="no",
+        teacher_tokenizer_mode=mode, teacher_cross_credit=credit, seed=args.seed,
+        logging_steps=max(args.steps // 4, 1), save_strategy="no",
         report_to="none", bf16=False, gradient_checkpointing=False, disable_dropout=True, disable_tqdm=True,
         overwrite_output_dir=True,
     )
@@ -105,7 +110,7 @@ def run_arm(pair: str, arm: str, args) -> dict:
     seconds = time.perf_counter() - begin
     after = evaluate(trainer.model, tokenizer, teacher, teacher_tokenizer, heldout, args, pair)
     logged = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
-    return {"pair": pair, "arm": arm, "mode": mode, "student": student_path, "teacher": teacher_path,
+    return {"pair": pair, "arm": arm, "mode": mode, "credit": credit, "student": student_path, "teacher": teacher_path,
             "steps": args.steps, "seconds_per_step": seconds / args.steps, "before": before, "after": after,
             "chunk_tokens_logged": [entry.get("opd/aligned_chunk_tokens_mean") for entry in logged],
             "unaligned_logged": [entry.get("opd/unaligned_token_fraction") for entry in logged]}
@@ -136,6 +141,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-completion-length", type=int, default=None, help="default: the pair's")
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: the pair's")
+    parser.add_argument("--arms", nargs="*", default=None, help="default: all of the pair's")
     parser.add_argument("--workdir", default="artifacts/cross_tokenizer")
     parser.add_argument("--json", default=None, help="default: benchmarks/results/cross_tokenizer_<pair>.json")
     parser.add_argument("--from-json", action="store_true", help="print the table of a saved run")
@@ -155,7 +163,10 @@ def main() -> None:
                "eval_prompts": args.eval_prompts, "runs": []}
     if args.pair == "tiny":
         results["task_accuracy"] = json.loads((Path(PAIRS["tiny"]["task"]) / "accuracy.json").read_text())
-    for arm in PAIRS[args.pair]["arms"]:
+    for key in ("max_completion_length", "learning_rate"):
+        if getattr(args, key):
+            PAIRS[args.pair][key] = getattr(args, key)
+    for arm in args.arms or PAIRS[args.pair]["arms"]:
         results["runs"].append(run_arm(args.pair, arm, args))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")

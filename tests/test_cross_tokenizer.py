@@ -1,4 +1,7 @@
-"""Teachers with another tokenizer: byte alignment, exact chunk sums, the teacher's own template, and the refusals."""
+"""Teachers with another tokenizer: byte alignment, exact chunk sums, the byte-level credit, the teacher's own
+template, and the refusals."""
+
+import itertools
 
 import pytest
 import torch
@@ -77,18 +80,44 @@ def _sequence_logp(model, prompt: list[int], completion: list[int]) -> float:
     return logps.gather(-1, torch.tensor(completion)[:, None]).sum().item()
 
 
-def test_chunk_signals_add_up_to_the_whole_text_log_prob_difference(tiny, tokenizer, tiny_other_teacher,
-                                                                      other_teacher):
-    """Sum over chunks of (log pi_T(chunk) - log pi_S(chunk)) = log pi_T(text) - log pi_S(text), each side by a plain
-    forward over its own tokens: the student's sampled ids; the teacher's tokenisation of the text plus its end of
-    turn, after each model's own rendering of the prompt. Multi-byte characters split inside tokens included, and a
-    completion cut inside a character, whose last bytes the teacher reads as its single-byte tokens."""
+def _prefix_logp(model, prompt: list[int], teacher_ids: list[int], table: list[bytes], added, *, cut: int) -> float:
+    """log P_T(the text's first `cut` bytes), by its definition with one plain forward: the sum, over every teacher
+    token j starting before byte `cut`, of the probability of the teacher tokens before j times that of any plain
+    token at j whose bytes start with the text from j to `cut` (searched over the whole vocabulary); where `cut`
+    closes an end of turn, the log-prob of the tokens up to it."""
+    starts = [0, *itertools.accumulate(len(table[t]) for t in teacher_ids)]
+    text = b"".join(table[t] for t in teacher_ids)
+    k = max(j for j in range(len(teacher_ids)) if starts[j] < cut)
+    ids = torch.tensor([prompt + teacher_ids])
+    with torch.no_grad():
+        logps = model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)  # at each teacher position
+    token_logps = logps.gather(-1, torch.tensor(teacher_ids)[:, None])[:, 0]
+    if teacher_ids[k] in added:
+        return token_logps[: k + 1].sum().item()
+    terms = []
+    for j in range(k + 1):
+        starting = [v for v, piece in enumerate(table) if piece.startswith(text[starts[j] : cut]) and v not in added]
+        if starting:
+            terms.append(token_logps[:j].sum() + logps[j, starting].logsumexp(0))
+    return torch.stack(terms).logsumexp(0).item()
+
+
+@pytest.mark.parametrize("credit", ["byte", "chunk"])
+def test_signals_add_up_to_the_whole_text_log_prob_difference(tiny, tokenizer, tiny_other_teacher, other_teacher,
+                                                              credit):
+    """Sum over the completion of (teacher signal - log pi_S(token)) = log pi_T(text) - log pi_S(text), each side by
+    a plain forward over its own tokens: the student's sampled ids; the teacher's tokenisation of the text plus its
+    end of turn, after each model's own rendering of the prompt. Multi-byte characters split inside tokens
+    included. A completion cut inside a character (no end of turn) is read by the teacher with its single-byte
+    tokens; by chunk, its sum is those tokens' log-prob; by byte, the teacher's probability that its text starts
+    with those bytes (`_prefix_logp`), whatever its last token."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     student = AutoModelForCausalLM.from_pretrained(tiny / "student")
     teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
     cross = CrossTokenizerTeacher(LocalTeacher(other_teacher, batch_size=2), student_tokenizer=tokenizer,
-                                  teacher_tokenizer=teacher_tokenizer, stop_ids=[tokenizer.eos_token_id])
+                                  teacher_tokenizer=teacher_tokenizer, stop_ids=[tokenizer.eos_token_id],
+                                  credit=credit)
     prompts = [[{"role": "user", "content": f"Say {text[:5]}"}] for text in TEXTS]
     completion_ids, completion_mask = _completions(tokenizer, TEXTS)
     cut = len(tokenizer(TEXTS[2], add_special_tokens=False)["input_ids"]) - 2  # row 2: cut inside "ü", no eos
@@ -110,8 +139,13 @@ def test_chunk_signals_add_up_to_the_whole_text_log_prob_difference(tiny, tokeni
         teacher_ids = teacher_tokenizer(text, add_special_tokens=False)["input_ids"]
         teacher_ids += [teacher_tokenizer.convert_tokens_to_ids(bytes_to_unicode()[b]) for b in dangling]
         teacher_ids += [teacher_tokenizer.eos_token_id] if sampled[-1] == tokenizer.eos_token_id else []
-        expected = (_sequence_logp(other_teacher, teacher_prompt[i], teacher_ids)
-                    - _sequence_logp(student, student_prompt[i], sampled))
+        teacher_logp = _sequence_logp(other_teacher, teacher_prompt[i], teacher_ids)
+        if credit == "byte" and i == 2:
+            table, added = ByteVocabulary(teacher_tokenizer).table, set(teacher_tokenizer.added_tokens_decoder)
+            teacher_logp = _prefix_logp(other_teacher, teacher_prompt[i], teacher_ids, table, added,
+                                        cut=len(spelled))
+            assert teacher_logp > _sequence_logp(other_teacher, teacher_prompt[i], teacher_ids) + 0.01
+        expected = teacher_logp - _sequence_logp(student, student_prompt[i], sampled)
         with torch.no_grad():
             student_logps = student(torch.tensor([student_prompt[i] + sampled])).logits.log_softmax(-1)[
                 0, len(student_prompt[i]) - 1 : -1].gather(-1, torch.tensor(sampled)[:, None])[:, 0]
@@ -119,7 +153,72 @@ def test_chunk_signals_add_up_to_the_whole_text_log_prob_difference(tiny, tokeni
         assert chunk_signal == pytest.approx(expected, abs=1e-4)
     assert scores.aligned[completion_mask.bool()].all()  # every sampled token is in a chunk
     assert not scores.aligned[~completion_mask.bool()].any()
-    assert scores.chunk_ends.sum() < completion_mask.sum()  # chunks of several student tokens exist
+    assert scores.text_chunk_ends.sum() < completion_mask.sum()  # chunks of several student tokens exist
+    assert (scores.chunk_ends is None) == (credit == "byte")  # by byte, every token is its own step
+
+
+def test_by_byte_each_token_gets_the_teacher_probability_of_its_own_bytes(tiny, tokenizer, tiny_other_teacher,
+                                                                          other_teacher):
+    """By byte, student token i's teacher signal is log P_T(text[:b_i]) - log P_T(text[:b_{i-1}]), each prefix
+    probability by its definition (`_prefix_logp`, plain forwards, extension ids searched over the whole teacher
+    vocabulary). Where a student token ends inside a teacher token, it gets the teacher's probability of any token
+    starting with its bytes; where it ends one the teacher could go on, the teacher's probability that it stops
+    there goes to the next student token."""
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    cross = CrossTokenizerTeacher(LocalTeacher(other_teacher, batch_size=2), student_tokenizer=tokenizer,
+                                  teacher_tokenizer=teacher_tokenizer, stop_ids=[tokenizer.eos_token_id])
+    prompts = [[{"role": "user", "content": f"Say {text[:5]}"}] for text in TEXTS[:2]]
+    completion_ids, completion_mask = _completions(tokenizer, TEXTS[:2])
+    scores = cross.score(prompts, completion_ids, completion_mask, completion_mask)
+
+    student_bytes, teacher_bytes = ByteVocabulary(tokenizer), ByteVocabulary(teacher_tokenizer)
+    added = set(teacher_tokenizer.added_tokens_decoder)
+    inside = 0
+    for i, text in enumerate(TEXTS[:2]):
+        prompt = teacher_tokenizer.apply_chat_template(prompts[i], add_generation_prompt=True)["input_ids"]
+        teacher_ids = teacher_tokenizer(text, add_special_tokens=False)["input_ids"] + [teacher_tokenizer.eos_token_id]
+        teacher_ends = set(itertools.accumulate(len(piece) for piece in teacher_bytes(teacher_ids)))
+        sampled = completion_ids[i][completion_mask[i].bool()].tolist()
+        ends = list(itertools.accumulate(len(piece) if token != tokenizer.eos_token_id
+                                         else len(teacher_bytes.table[teacher_tokenizer.eos_token_id])
+                                         for token, piece in zip(sampled, student_bytes(sampled), strict=True)))
+        prefixes = [_prefix_logp(other_teacher, prompt, teacher_ids, teacher_bytes.table, added, cut=end)
+                    for end in ends]
+        expected = torch.tensor(prefixes).diff(prepend=torch.zeros(1))
+        torch.testing.assert_close(scores.logps[i, : len(sampled)], expected, atol=1e-4, rtol=0)
+        inside += sum(end not in teacher_ends for end in ends)
+    assert inside  # some student tokens end inside a teacher token
+
+
+def test_with_one_bpe_tokenizer_chunk_credit_is_per_token_and_byte_credit_moves_only_the_stops(tiny, tokenizer):
+    """Teacher and student share a BPE tokenizer and the completions are its own tokenisations: by chunk, every
+    token is a chunk and gets its own log-prob, as on the same-tokenizer path; by byte, the completion sums are the
+    same and a token differs only where another token starts with its bytes (the teacher's probability of stopping
+    there moves to the next token)."""
+    teacher = freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher"))
+    prompts = [[{"role": "user", "content": "Say it"}] for _ in TEXTS[:2]]
+    completion_ids, completion_mask = _completions(tokenizer, TEXTS[:2])
+    prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in prompts]
+    per_token = LocalTeacher(teacher, batch_size=2).score(torch.tensor(prompt_ids), torch.ones(len(prompt_ids),
+                                                          len(prompt_ids[0]), dtype=torch.long),
+                                                          completion_ids, completion_mask).logps
+    valid = completion_mask.bool()
+    by = {credit: CrossTokenizerTeacher(LocalTeacher(teacher, batch_size=2), student_tokenizer=tokenizer,
+                                        teacher_tokenizer=tokenizer, stop_ids=[tokenizer.eos_token_id],
+                                        credit=credit).score(prompts, completion_ids, completion_mask, completion_mask)
+          for credit in ("chunk", "byte")}
+    assert by["chunk"].chunk_ends[valid].all()
+    torch.testing.assert_close(by["chunk"].logps[valid], per_token[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(by["byte"].logps.sum(1), per_token.sum(1), atol=1e-4, rtol=0)
+    vocabulary = ByteVocabulary(tokenizer)
+    extendable = torch.tensor([[len(vocabulary.extensions(vocabulary.table[t])) > 1 and keep
+                                for t, keep in zip(ids.tolist(), row.tolist(), strict=True)]
+                               for ids, row in zip(completion_ids, valid, strict=True)])
+    moved = torch.cat([torch.zeros(len(TEXTS[:2]), 1, dtype=torch.bool), extendable[:, :-1]], dim=1) & valid
+    same = valid & ~extendable & ~moved
+    assert extendable.any() and same.any()
+    torch.testing.assert_close(by["byte"].logps[same], per_token[same], atol=1e-5, rtol=0)
+    assert (by["byte"].logps[extendable] > per_token[extendable] + 1e-6).all()  # "may go on" is likelier
 
 
 def test_observations_never_enter_a_distilled_chunk(tokenizer):
@@ -245,6 +344,10 @@ def test_cross_tokenizer_configurations_that_cannot_work_are_refused(tiny, promp
         make_config(teacher_tokenizer_name_or_path="x")
     with pytest.raises(ValueError, match="teacher_tokenizer_mode must be one of"):
         make_config(teacher_tokenizer_mode="loose")
+    with pytest.raises(ValueError, match="a same-tokenizer teacher scores every token itself"):
+        make_config(teacher_cross_credit="chunk")
+    with pytest.raises(ValueError, match="teacher_cross_credit must be one of"):
+        make_config(teacher_tokenizer_mode="cross", teacher_cross_credit="word")
     # the strict default names the option
     with pytest.raises(ValueError, match="tokenizers differ.*teacher_tokenizer_mode: cross"):
         OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny_other_teacher), args=make_config(),

@@ -201,23 +201,28 @@ def test_student_with_another_tokenizer_is_refused_at_start_up(teacher_server, p
                    train_dataset=prompts)
 
 
+@pytest.mark.parametrize("credit", ["byte", "chunk"])
 def test_a_served_teacher_of_another_family_scores_like_the_local_one(teacher_server, tiny, tiny_other_teacher,
-                                                                       prompts, make_config):
+                                                                       prompts, make_config, credit):
     """teacher_tokenizer_mode cross with a served teacher: a student of another family (its own tokenizer and chat
-    template) from the served tiny teacher, whose tokenizer is given by path and checked against the server."""
+    template) from the served tiny teacher, whose tokenizer is given by path and checked against the server. By
+    byte, the served teacher's extension mass comes from its top 20 entries, the local one's from its whole
+    distribution: with this teacher (486 tokens), the logged KL is the same to 1e-4."""
     served = OPDTrainer(
         model=str(tiny_other_teacher), train_dataset=prompts,
         args=make_config(max_steps=1, teacher_server_url=teacher_server, teacher_tokenizer_mode="cross",
-                         teacher_tokenizer_name_or_path=str(tiny / "teacher")),
+                         teacher_tokenizer_name_or_path=str(tiny / "teacher"), teacher_cross_credit=credit),
     )
     served.train()
+    assert served.teacher.scorer.topk == (20 if credit == "byte" else 0)  # the entries the byte credit reads
     local = OPDTrainer(model=str(tiny_other_teacher), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
-                       args=make_config(max_steps=1, teacher_tokenizer_mode="cross"))
+                       args=make_config(max_steps=1, teacher_tokenizer_mode="cross", teacher_cross_credit=credit))
     local.train()
     served_log, local_log = _opd_logs(served)[0], _opd_logs(local)[0]
     assert served_log["opd/reverse_kl"] == pytest.approx(local_log["opd/reverse_kl"], abs=1e-4)
     assert served_log["opd/aligned_chunk_tokens_mean"] == local_log["opd/aligned_chunk_tokens_mean"]
-
+    if credit == "chunk":
+        return
     with pytest.raises(ValueError, match="tokenizes differently from the teacher tokenizer .*must be the served"):
         OPDTrainer(model=str(tiny_other_teacher), train_dataset=prompts,
                    args=make_config(teacher_server_url=teacher_server, teacher_tokenizer_mode="cross",

@@ -92,6 +92,7 @@ class ByteVocabulary:
         for piece, index in vocab.items():
             self.table[index] = piece.encode() if piece in added else to_bytes(piece)
         # the token of each single byte, where the vocabulary has one (all 256 in a byte-level BPE)
+        self._ranked = None
         self.byte_ids = {piece[0]: index for piece, index in sorted((self.table[i], i) for i in vocab.values())
                          if len(piece) == 1 and index not in tokenizer.added_tokens_decoder}
 
@@ -102,6 +103,23 @@ class ByteVocabulary:
         if tokenizer not in _BUILT:
             _BUILT[tokenizer] = cls(tokenizer)
         return _BUILT[tokenizer]
+
+    def extensions(self, prefix: bytes) -> list[int]:
+        """The ids of the plain (not added or special) tokens whose bytes start with `prefix`."""
+        pieces, ids = self._plain_sorted()
+        # the byte strings that start with `prefix` sort between it and its successor (its last byte below 0xff,
+        # plus one, past the trailing 0xff bytes)
+        stem = prefix.rstrip(b"\xff")
+        end = bisect.bisect_left(pieces, stem[:-1] + bytes([stem[-1] + 1])) if stem else len(pieces)
+        return ids[bisect.bisect_left(pieces, prefix) : end]
+
+    def _plain_sorted(self) -> tuple[list[bytes], list[int]]:
+        """The bytes and ids of the plain tokens, sorted by bytes (built once)."""
+        if self._ranked is None:
+            added = set(self.tokenizer.added_tokens_decoder)
+            ranked = sorted((piece, index) for index, piece in enumerate(self.table) if piece and index not in added)
+            self._ranked = ([piece for piece, _ in ranked], [index for _, index in ranked])
+        return self._ranked
 
     def __call__(self, ids) -> list[bytes]:
         return [self.table[index] for index in ids]

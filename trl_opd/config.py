@@ -16,6 +16,7 @@ OPD_OBJECTIVES = ("clipped", "importance_sampling")
 REWARD_COMBINATIONS = ("loss", "advantage")
 OPD_ESTIMATORS = ("sampled", "topk", "full")
 TOKENIZER_MODES = ("same", "cross")
+CROSS_CREDITS = ("byte", "chunk")
 # GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -57,9 +58,9 @@ class OPDConfig(GRPOConfig):
         metadata={
             "help": "'same': the teacher scores the student's token ids, so both must share one tokenizer (checked at "
             "start-up). 'cross': the teacher has its own tokenizer and chat template (another model family): it "
-            "reads the prompt through its own template and scores the text the student sampled, tokenised its way, "
-            "in chunks cut where both tokenisations have a token boundary; every student token of a chunk gets the "
-            "chunk's advantage. The sampled estimator only; one teacher (local or served).",
+            "reads the prompt through its own template and scores the text the student sampled, tokenised its way "
+            "(see teacher_cross_credit for how its log-probs reach the student's tokens). The sampled estimator "
+            "only; one teacher (local or served).",
             "choices": list(TOKENIZER_MODES),
         },
     )
@@ -68,6 +69,20 @@ class OPDConfig(GRPOConfig):
         metadata={
             "help": "With teacher_tokenizer_mode 'cross': the teacher's tokenizer and chat template. Defaults to the "
             "local teacher's own; required for a served teacher (the server's tokenisation is checked against it)."
+        },
+    )
+    teacher_cross_credit: str | None = field(
+        default=None,
+        metadata={
+            "help": "With teacher_tokenizer_mode 'cross', how the teacher's log-prob of the sampled text is shared "
+            "among the student's tokens. 'byte' (the default): each student token gets the teacher's probability "
+            "of its bytes given the text before them, read from the teacher's whole next-token distribution where "
+            "a teacher token may go on (a served teacher's top 20 entries: a lower bound), so each token is "
+            "credited for its own choice only. 'chunk': the text is cut where both tokenisations have a boundary "
+            "and every student token of a chunk gets the chunk's log-prob difference, which also credits a token "
+            "with the choices after it inside the chunk (e.g. where a number ends); measured to drift where the "
+            "teacher writes numbers in multi-digit tokens.",
+            "choices": [None, *CROSS_CREDITS],
         },
     )
     teacher_model_init_kwargs: dict[str, Any] | str | None = field(
@@ -390,6 +405,8 @@ class OPDConfig(GRPOConfig):
         if self.teacher_tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"teacher_tokenizer_mode must be one of {TOKENIZER_MODES}, got "
                              f"{self.teacher_tokenizer_mode!r}.")
+        if self.teacher_cross_credit not in (None, *CROSS_CREDITS):
+            raise ValueError(f"teacher_cross_credit must be one of {CROSS_CREDITS}, got {self.teacher_cross_credit!r}.")
         _check_tokenizer_mode(self, self.teacher_source())
         if self.opd_topk is not None and self.opd_topk < 1:
             raise ValueError(f"opd_topk must be at least 1, got {self.opd_topk}.")
@@ -430,6 +447,12 @@ def _check_estimator_source(estimator: str | None, source: str | None) -> None:
 def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
     """What a cross-tokenizer teacher can and cannot do, refused before anything loads."""
     if args.teacher_tokenizer_mode != "cross":
+        if args.teacher_cross_credit is not None:
+            raise ValueError(
+                f"teacher_cross_credit={args.teacher_cross_credit!r} shares a cross-tokenizer teacher's log-probs "
+                "among the student's tokens; a same-tokenizer teacher scores every token itself. Remove it, or set "
+                "teacher_tokenizer_mode: cross."
+            )
         if args.teacher_tokenizer_name_or_path is not None:
             raise ValueError(
                 "teacher_tokenizer_name_or_path is the tokenizer of a teacher from another model family, used with "

@@ -116,7 +116,7 @@ def heldout_text_reverse_kl(
     device = next(student.parameters()).device
     stop_ids = stop_token_ids(student, tokenizer)
     cross = CrossTokenizerTeacher(LocalTeacher(teacher.eval(), batch_size=batch_size), student_tokenizer=tokenizer,
-                                  teacher_tokenizer=teacher_tokenizer, stop_ids=stop_ids)
+                                  teacher_tokenizer=teacher_tokenizer, stop_ids=stop_ids, credit="chunk")
     totals = {"kl": 0.0, "characters": 0.0, "sequences": 0.0, "tokens": 0.0, "chunks": 0.0, "unaligned": 0.0}
     completions, masks, greedy = [], [], []
     generator_state = torch.random.get_rng_state()
@@ -140,7 +140,7 @@ def heldout_text_reverse_kl(
         totals["kl"] += (student_logps - scores.logps)[aligned].sum().item()
         totals["sequences"] += len(rows)
         totals["tokens"] += aligned.sum().item()
-        totals["chunks"] += scores.chunk_ends.sum().item()
+        totals["chunks"] += scores.text_chunk_ends.sum().item()
         totals["unaligned"] += (completion_mask & ~aligned).sum().item()
         for ids, keep in zip(completion, aligned, strict=True):
             kept = ids[keep].tolist()

@@ -105,6 +105,31 @@ def head_topk_logps(
     return torch.cat(ids), torch.cat(logps)
 
 
+@torch.no_grad()
+def head_set_logps(
+    hidden: torch.Tensor, head: OutputHead, positions: list[int], id_sets: list[torch.Tensor], *,
+    tile_elements: int = TILE_ELEMENTS,
+) -> list[float]:
+    """The log-probability of a set of tokens at a position, `log sum_{v in id_sets[q]} p(v | positions[q])`, for
+    each query q, from final hidden states (N, H), without gradient. Each position asked about is projected once, a
+    tile of positions at a time. Gathers the head (a collective under ZeRO-3) even with no query, so that every
+    process calls it once per batch."""
+    asked = sorted(set(positions))
+    queries: dict[int, list[int]] = {}
+    for q, position in enumerate(positions):
+        queries.setdefault(position, []).append(q)
+    out = [0.0] * len(positions)
+    rows = head.tile_rows(tile_elements)
+    with head.gathered():
+        for start in range(0, len(asked), rows):
+            tile = asked[start : start + rows]
+            logps = head.logits(hidden[torch.tensor(tile, device=hidden.device)]).log_softmax(-1)
+            for position, position_logps in zip(tile, logps, strict=True):
+                for q in queries[position]:
+                    out[q] = position_logps[id_sets[q].to(logps.device)].logsumexp(0).item()
+    return out
+
+
 def head_token_logps(
     hidden: torch.Tensor, head: OutputHead, ids: torch.Tensor, *, tile_elements: int = TILE_ELEMENTS
 ) -> torch.Tensor:

@@ -185,6 +185,7 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
             return CrossTokenizerTeacher(
                 scorers["teacher"], student_tokenizer=self._tokenizer, teacher_tokenizer=self.teacher_processing_class,
                 stop_ids=self.eos_token_ids, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
+                credit=args.teacher_cross_credit or "byte",
             )
         if not args.teachers:
             return scorers["teacher"]
@@ -297,7 +298,7 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         left out."""
         sampled = output["action_mask"]
         mask = sampled * scores.aligned.to(sampled.dtype)
-        counts = torch.stack([sampled.sum(), mask.sum(), (scores.chunk_ends & mask.bool()).sum()]).float()
+        counts = torch.stack([sampled.sum(), mask.sum(), (scores.text_chunk_ends & mask.bool()).sum()]).float()
         sampled_count, aligned_count, chunks = self.accelerator.reduce(counts, reduction="sum").tolist()
         mode = "train" if self.model.training else "eval"
         if chunks:

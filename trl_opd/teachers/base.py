@@ -26,6 +26,9 @@ class TeacherScores:
     # chunk, which are not distilled. None: every token is its own chunk.
     chunk_ends: torch.Tensor | None = None  # (B, T) bool
     aligned: torch.Tensor | None = None  # (B, T) bool
+    # where the two tokenisations' common boundaries fall (a cross-tokenizer teacher), for the alignment metrics,
+    # whether or not its advantage steps by chunk
+    text_chunk_ends: torch.Tensor | None = None  # (B, T) bool
 
 
 class TeacherScorer(Protocol):

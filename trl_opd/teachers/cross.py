@@ -1,10 +1,19 @@
-"""A teacher with its own tokenizer and chat template: it scores the text the student sampled, chunk by chunk.
+"""A teacher with its own tokenizer and chat template: it scores the text the student sampled.
 
 Per row, the teacher reads its own rendering of the prompt (the same messages, through its chat template) and then
 the student's completion as text, tokenised its way. The student's tokens and the teacher's are cut into chunks at
-every byte offset where both end a token (`alignment.align_bytes`); the teacher's log-prob of a chunk (the sum over
-its tokens) is returned on the chunk's last student token, with `chunk_ends` marking it, and every student token of
-the chunk gets the chunk's advantage (`loss.opd_advantages`).
+every byte offset where both end a token (`alignment.align_bytes`): over a chunk both sides spell the same bytes
+after the same text, and the chunks' log-prob differences add up to `log pi_T(text) - log pi_S(text)`. Inside a
+chunk, the teacher's log-prob is shared among the student's tokens one of two ways (`credit`):
+
+- `byte` (the default): each student token gets the teacher's probability of its own bytes given the text before
+  them, read from the teacher's whole next-token distribution where a teacher token could go on (`_byte_credit`).
+  A student that writes "1", "3" where the teacher writes " 13" is credited for each digit, and the teacher's
+  probability that the number stops after "13" goes to the student token after it, which decides that.
+- `chunk`: the chunk's log-prob stands on its last student token (`chunk_ends`) and every token of the chunk gets
+  the chunk's advantage (`loss.opd_advantages`), which also credits each token with the choices after it in the
+  chunk. On the addition task, with a teacher that writes numbers in multi-digit tokens, this drifts away from the
+  teacher where `byte` learns (benchmarks/cross_tokenizer.py).
 
 What is scored:
 - Each run of tokens the student sampled is its own text: up to each stop token (the student's end of turn), which
@@ -21,13 +30,22 @@ What is scored:
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
+
 import torch
 from trl.trainer.utils import pad
 
 from ..alignment import ByteVocabulary, align_bytes
+from ..config import CROSS_CREDITS
+from ..heads import head_set_logps
 from .base import TeacherScorer, TeacherScores
+from .local import LocalTeacher
 
 _MARKER = "OPD_END_OF_TURN_PROBE"
+# A served teacher's extension mass is read from its most likely tokens at each position: vLLM's default cap
+SERVED_EXTENSION_TOPK = 20
 
 
 def end_of_turn_id(tokenizer) -> int:
@@ -57,6 +75,22 @@ def _runs(flags: list[int]):
             start = end
 
 
+def _anchors(pieces: list[bytes], teacher_pieces: list[bytes], chunk: list[int], *, offset: int) -> list:
+    """For each student token of one text, where its last byte b falls among the teacher's tokens: (k, the position
+    from `offset` of the teacher token b falls in, [(j, the text's bytes from where teacher token j starts up to
+    b)] for j = k, k - 1, ..., 0); None for a token in no chunk (or of no bytes)."""
+    data = b"".join(pieces)
+    teacher_starts = [0, *itertools.accumulate(len(piece) for piece in teacher_pieces)]
+    anchors = []
+    for end, piece, index in zip(itertools.accumulate(len(piece) for piece in pieces), pieces, chunk, strict=True):
+        if index < 0 or not piece:
+            anchors.append(None)
+            continue
+        k = bisect.bisect_left(teacher_starts, end) - 1  # the last teacher token starting before b
+        anchors.append((offset + k, [(offset + j, data[teacher_starts[j] : end]) for j in range(k, -1, -1)]))
+    return anchors
+
+
 class CrossTokenizerTeacher:
     """Wraps a scorer of teacher token ids (`LocalTeacher`, `VLLMServerTeacher`) for a student with another
     tokenizer.
@@ -66,10 +100,20 @@ class CrossTokenizerTeacher:
         student_tokenizer / teacher_tokenizer: fast tokenizers, each lossless on text (checked here).
         stop_ids: the student's end-of-turn token ids (GRPO's `eos_token_ids`).
         tools / chat_template_kwargs: passed to the teacher's chat template, as GRPO passes them to the student's.
+        credit: "byte" or "chunk" (see the module). "byte" reads a local teacher's final states (`return_hidden`)
+            and a served teacher's top `SERVED_EXTENSION_TOPK` entries at each position (`topk`).
     """
 
     def __init__(self, scorer: TeacherScorer, *, student_tokenizer, teacher_tokenizer, stop_ids,
-                 tools=None, chat_template_kwargs=None):
+                 tools=None, chat_template_kwargs=None, credit: str = "byte"):
+        if credit not in CROSS_CREDITS:
+            raise ValueError(f"credit={credit!r}: choose one of {CROSS_CREDITS}.")
+        self.credit = credit
+        if credit == "byte":  # the teacher's whole next-token distribution where a token may go on: its final states
+            if isinstance(scorer, LocalTeacher):
+                scorer.return_hidden = True
+            elif scorer is not None:  # a served teacher sends its top entries
+                scorer.topk = max(scorer.topk, SERVED_EXTENSION_TOPK)
         self.scorer = scorer
         self.student = ByteVocabulary.of(student_tokenizer)
         self.teacher = ByteVocabulary.of(teacher_tokenizer)
@@ -97,7 +141,13 @@ class CrossTokenizerTeacher:
         Returns the teacher's completion ids, the chunk index of each of them and of each student token (-1: in no
         chunk, i.e. context or past the aligned text).
         """
+        return self._translate(ids, action)[:3]
+
+    def _translate(self, ids: list[int], action: list[int]):
+        """`translate`, plus each student token's anchor (see `_anchors`; an end of turn: its teacher position and no
+        bytes to extend), or None where not aligned."""
         teacher_ids, teacher_chunk, student_chunk = [], [], [-1] * len(ids)
+        anchors = [None] * len(ids)
         chunks = 0
         for start, end, sampled in _runs(action):
             if not sampled:  # context: read by the teacher, never distilled
@@ -111,18 +161,21 @@ class CrossTokenizerTeacher:
                     continue
                 pieces = self.student(ids[part:k])
                 text_ids = self.teacher.encode_bytes(b"".join(pieces))
-                own, theirs, count = align_bytes(pieces, self.teacher(text_ids))
+                teacher_pieces = self.teacher(text_ids)
+                own, theirs, count = align_bytes(pieces, teacher_pieces)
                 student_chunk[part:k] = [c + chunks if c >= 0 else -1 for c in own]
+                anchors[part:k] = _anchors(pieces, teacher_pieces, own, offset=len(teacher_ids))
                 teacher_ids += text_ids
                 teacher_chunk += [c + chunks if c >= 0 else -1 for c in theirs]
                 chunks += count
                 if k < end:  # the student's end of turn, scored as the teacher's
                     student_chunk[k] = chunks
+                    anchors[k] = (len(teacher_ids), [])
                     teacher_ids.append(self.end_of_turn)
                     teacher_chunk.append(chunks)
                     chunks += 1
                 part = k + 1
-        return teacher_ids, teacher_chunk, student_chunk
+        return teacher_ids, teacher_chunk, student_chunk, anchors
 
     def side_by_side(self, ids: list[int], action: list[int], *, width: int = 110) -> str:
         """One completion in both tokenisations, a column per chunk (`·` between the tokens inside it) and ⟦...⟧
@@ -163,7 +216,7 @@ class CrossTokenizerTeacher:
         """`prompts` are the rows' prompts as the teacher should read them (chat messages or text); `action_mask`
         (B, T) marks the tokens the student sampled."""
         device, valid = completion_ids.device, completion_mask.bool()
-        rows = [self.translate(ids[keep].tolist(), action[keep].tolist())
+        rows = [self._translate(ids[keep].tolist(), action[keep].tolist())
                 for ids, keep, action in zip(completion_ids, valid, action_mask, strict=True)]
         pad_id = self.teacher_tokenizer.pad_token_id
         pad_id = self.end_of_turn if pad_id is None else pad_id
@@ -191,5 +244,78 @@ class CrossTokenizerTeacher:
         aligned = student_chunk >= 0
         next_chunk = torch.cat([student_chunk[:, 1:], student_chunk.new_full((len(rows), 1), -1)], dim=1)
         chunk_ends = aligned & (next_chunk != student_chunk)
-        logps = torch.where(chunk_ends, chunk_logps.gather(1, student_chunk.clamp(min=0)), 0.0)
-        return TeacherScores(logps=logps, chunk_ends=chunk_ends, aligned=aligned)
+        if self.credit == "chunk":
+            logps = torch.where(chunk_ends, chunk_logps.gather(1, student_chunk.clamp(min=0)), 0.0)
+            return TeacherScores(logps=logps, chunk_ends=chunk_ends, aligned=aligned, text_chunk_ends=chunk_ends)
+        return self._byte_credit(scores, rows, teacher_chunk < num_chunks, valid, aligned, chunk_ends)
+
+    def _byte_credit(self, scores: TeacherScores, rows: list, in_chunk, valid, aligned, chunk_ends) -> TeacherScores:
+        """Each aligned student token's teacher log-prob by the byte-level chain rule, `log P_T(text[:b_i]) -
+        log P_T(text[:b_{i-1}])`, where `b_i` is where token i ends and P_T(text[:b]) is the teacher's probability
+        that its text starts with those bytes: the sum over the teacher tokens j that could be the first to cross b
+        (the one b falls in, or one before it) of the probability of the teacher's tokens before j times that of any
+        token at j whose bytes start with the text from j up to b,
+
+            P_T(text[:b]) = sum_j p_T(t_<j) * sum_{v: bytes(v) start with text[start_j : b]} p_T(v | t_<j).
+
+        (Left out: paths that leave the teacher's own tokenisation of the text more than once before b, and a j
+        before the first one, going back from b, at which no token starts with the text up to b; a teacher gives
+        them next to nothing.) Where only the token b falls in can cross it, and no other token
+        starts with its bytes up to b, this is the teacher tokens' own log-prob; always so at an end of turn.
+
+        So a student token is credited with the teacher's probability of its own bytes given the text before them,
+        and the teacher's probability that a token stops where the student's next token goes on (a number or a word
+        ends) goes to that next token, the one that decides it. Over a finished completion the values add up to
+        the log-prob of its text.
+        """
+        scored = torch.where(in_chunk, scores.logps.float(), 0.0).cpu()  # (B, T_teacher), context and padding 0
+        # each anchored student token's log P_T as (teacher tokens before `end`, summed) + `mass`
+        prefixes, queries = [], []  # queries: (row, teacher position, extension ids), asked of the teacher
+        for row, (teacher_ids, _, _, anchors) in enumerate(rows):
+            prefixes.append({})
+            for i, anchor in enumerate(anchors):
+                if anchor is None:
+                    continue
+                k, covers = anchor
+                terms = []  # the teacher tokens that could cross b, back to the first one before k that none can
+                for j, text in covers:
+                    ids = self.teacher.extensions(text)
+                    if not ids and j < k:
+                        break
+                    terms += [(j, ids)] if ids else []
+                if all(j == k and ids == [teacher_ids[k]] for j, ids in terms):  # the token itself
+                    prefixes[row][i] = (k + 1, [])
+                    continue
+                prefixes[row][i] = (k, [(j, len(queries) + n) for n, (j, _) in enumerate(terms)])
+                queries += [(row, j, ids) for j, ids in terms]
+        masses = self._set_logps(scores, queries, rows)
+        logps = torch.zeros(valid.shape)
+        for row, row_prefixes in enumerate(prefixes):
+            positions = valid[row].nonzero().flatten().tolist()
+            end, mass = 0, 0.0
+            for i, (next_end, terms) in row_prefixes.items():
+                # each term j: log p_T(t_j .. t_{k-1}) below the tokens before k, so log p(extensions at j) - those
+                next_mass = torch.tensor([masses[q] - scored[row, j:next_end].sum() for j, q in terms]).logsumexp(0)
+                next_mass = next_mass.item() if terms else 0.0
+                logps[row, positions[i]] = scored[row, end:next_end].sum() + (next_mass - mass)
+                end, mass = next_end, next_mass
+        logps = logps.to(valid.device)
+        return TeacherScores(logps=torch.where(aligned, logps, 0.0), aligned=aligned, text_chunk_ends=chunk_ends)
+
+    def _set_logps(self, scores: TeacherScores, queries: list, rows: list) -> list[float]:
+        """For each query (row, teacher position, token ids): the teacher's log-probability of any of those tokens
+        there. Exact from a local teacher's final states; from a served teacher's top entries plus the scored token,
+        a lower bound that misses only what lies outside its top `SERVED_EXTENSION_TOPK`."""
+        if isinstance(self.scorer, LocalTeacher):  # every process projects, even nothing, as ZeRO-3 needs
+            hidden = scores.hidden.flatten(0, 1)
+            width = scores.hidden.size(1)
+            return head_set_logps(hidden, self.scorer.output_head, [row * width + j for row, j, _ in queries],
+                                  [torch.tensor(ids, dtype=torch.long) for *_, ids in queries])
+        masses = []
+        for row, j, ids in queries:
+            entries = dict(zip(scores.topk_ids[row, j].tolist(), scores.topk_logps[row, j].tolist(), strict=True))
+            entries[rows[row][0][j]] = scores.logps[row, j].item()
+            allowed = set(ids)
+            found = [logp for token, logp in entries.items() if token in allowed]
+            masses.append(torch.tensor(found).logsumexp(0).item() if found else -math.inf)
+        return masses
