@@ -44,6 +44,34 @@ def test_heldout_pairs_are_in_no_training_set(tiny_task):
     assert len({_pair(row) for row in heldout}) > 150  # distinct problems, not a few repeated
 
 
+def test_a_teacher_that_stays_under_the_bar_starts_over_and_the_better_one_is_kept(tmp_path, monkeypatch):
+    """With a bar no teacher can reach, the builder trains a second teacher from another initialisation and keeps
+    the one with the higher sampled accuracy, as accuracy.json records."""
+    from trl_opd import testing
+    from trl_opd.envs import addition
+
+    seeds, measured = [], []
+    build_model, task_accuracy = testing.build_model, addition.task_accuracy
+
+    def recording_build(tokenizer, *, hidden_size, seed):
+        seeds.append(seed)
+        return build_model(tokenizer, hidden_size=hidden_size, seed=seed)
+
+    def recording_accuracy(model, tokenizer, rows, **kwargs):
+        value = task_accuracy(model, tokenizer, rows[:20], **kwargs)
+        measured.append((kwargs.get("do_sample", False), value))
+        return value
+
+    monkeypatch.setattr(testing, "build_model", recording_build)
+    monkeypatch.setattr(addition, "task_accuracy", recording_accuracy)
+    addition.make_tiny_task(tmp_path, student_steps=2, teacher_steps=4, teacher_min_sampled=1.01,
+                            teacher_max_rounds=0, teacher_max_inits=2)
+    assert seeds == [0, 1, 1001]  # the student, then two teachers
+    sampled = [value for do_sample, value in measured if do_sample]  # student, first teacher, second teacher
+    built = json.loads((tmp_path / "accuracy.json").read_text())["teacher"]
+    assert built["sampled"] == max(sampled[1:]) and built["init"] == sampled[1:].index(max(sampled[1:]))
+
+
 def test_teacher_is_far_better_than_the_student_on_heldout_prompts(tiny_task):
     """The builder's own numbers, and the same measured independently: sampled answers scored by the checker."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
