@@ -100,6 +100,19 @@ def load_cross_tokenizer(teacher, args, *, student_tokenizer, teacher_tokenizer=
     return teacher_tokenizer
 
 
+def _served_topk(args) -> int:
+    """How many of the teacher's most likely tokens a served teacher must send per position: the topk estimator's k,
+    or, for a cross-tokenizer teacher with the byte credit, those the credit reads (asked already by the start-up
+    probe, so that a server allowing fewer is refused before training)."""
+    if args.opd_estimator == "topk":
+        return args.opd_topk
+    if args.teacher_tokenizer_mode == "cross" and (args.teacher_cross_credit or "byte") == "byte":
+        from .cross import SERVED_EXTENSION_TOPK
+
+        return SERVED_EXTENSION_TOPK
+    return 0
+
+
 def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str,
                            teacher_tokenizer=None) -> VLLMServerTeacher:
     """A client for the teacher servers at `urls`, checked for health and tokenizer agreement: with the student's
@@ -115,7 +128,7 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str,
         batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
         timeout=(10.0, args.teacher_server_timeout),
         max_retries=args.teacher_server_max_retries,
-        topk=args.opd_topk if args.opd_estimator == "topk" else 0,
+        topk=_served_topk(args),
     )
     if teacher_tokenizer is not None:
         teacher.connect(teacher_tokenizer, student_name=teacher_tokenizer.name_or_path, cross_tokenizer=True)

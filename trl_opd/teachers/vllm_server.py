@@ -202,8 +202,10 @@ class VLLMServerTeacher:
             except TeacherServerError as error:
                 if self.topk and "HTTP 400" in str(error):
                     raise TeacherServerError(
-                        f"{error}\nThe topk estimator asks for the {self.topk} most likely tokens per position: start "
-                        f"the server with --max-logprobs {self.topk} or more, or lower opd_topk."
+                        f"{error}\nThe teacher is asked for its {self.topk} most likely tokens per position (the "
+                        f"topk estimator's opd_topk, or a cross-tokenizer teacher's byte credit): start the server "
+                        f"with --max-logprobs {self.topk} or more, or lower opd_topk (or set teacher_cross_credit: "
+                        f"chunk)."
                     ) from error
                 raise
             _read_entries(entries, expected[:1], expected[1:], index=0, url=url, topk=self.topk)
