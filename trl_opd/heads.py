@@ -118,7 +118,7 @@ def head_set_logps(
     queries: dict[int, list[int]] = {}
     for q, position in enumerate(positions):
         queries.setdefault(position, []).append(q)
-    out = [0.0] * len(positions)
+    out = hidden.new_zeros(len(positions), dtype=torch.float32)
     rows = head.tile_rows(tile_elements)
     with head.gathered():
         for start in range(0, len(asked), rows):
@@ -126,8 +126,8 @@ def head_set_logps(
             logps = head.logits(hidden[torch.tensor(tile, device=hidden.device)]).log_softmax(-1)
             for position, position_logps in zip(tile, logps, strict=True):
                 for q in queries[position]:
-                    out[q] = position_logps[id_sets[q].to(logps.device)].logsumexp(0).item()
-    return out
+                    out[q] = position_logps[id_sets[q].to(logps.device)].logsumexp(0)
+    return out.tolist()  # one device sync
 
 
 def head_token_logps(

@@ -45,15 +45,20 @@ def arithmetic_answer_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
-def build_tokenizer(vocab_size: int = 512, seed: int = 0):
-    """A byte-level BPE tokenizer with a ChatML template, trained on generated arithmetic text."""
+def _arithmetic_corpus(words: list[str], *, seed: int, size: int = 3000) -> list[str]:
+    """Generated arithmetic questions and answers, each followed by three of `words`: a tokenizer's training text."""
     rng = random.Random(seed)
     corpus = []
-    for _ in range(3000):
+    for _ in range(size):
         question, answer = arithmetic_prompt(rng)
-        corpus.append(f"{question} {answer} " + " ".join(rng.sample(NUMBER_WORDS, 3)))
-    wrapped = _byte_level_bpe(corpus, vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, eos_token="<|im_end|>",
-                              pad_token="<|endoftext|>")
+        corpus.append(f"{question} {answer} " + " ".join(rng.sample(words, 3)))
+    return corpus
+
+
+def build_tokenizer(vocab_size: int = 512, seed: int = 0):
+    """A byte-level BPE tokenizer with a ChatML template, trained on generated arithmetic text."""
+    wrapped = _byte_level_bpe(_arithmetic_corpus(NUMBER_WORDS, seed=seed), vocab_size=vocab_size,
+                              special_tokens=SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
@@ -101,11 +106,7 @@ def other_family_tokenizer(vocab_size: int = 400, *, seed: int = 0, corpus: list
     `vocab_size=len(OTHER_SPECIAL_TOKENS) + 256` leaves no room for merges: every token is one byte, so every
     tokenisation of a text is the tokenizer's own."""
     if corpus is None:
-        rng = random.Random(seed)
-        corpus = []
-        for _ in range(3000):
-            question, answer = arithmetic_prompt(rng)
-            corpus.append(f"{question} {answer} " + " ".join(rng.sample(MULTIBYTE_WORDS, 3)))
+        corpus = _arithmetic_corpus(MULTIBYTE_WORDS, seed=seed)
     wrapped = _byte_level_bpe(corpus, vocab_size=vocab_size, special_tokens=OTHER_SPECIAL_TOKENS, eos_token="<|end|>",
                               pad_token="<pad>")
     wrapped.chat_template = OTHER_CHAT_TEMPLATE

@@ -76,18 +76,17 @@ def _runs(flags: list[int]):
 
 
 def _anchors(pieces: list[bytes], teacher_pieces: list[bytes], chunk: list[int], *, offset: int) -> list:
-    """For each student token of one text, where its last byte b falls among the teacher's tokens: (k, the position
-    from `offset` of the teacher token b falls in, [(j, the text's bytes from where teacher token j starts up to
-    b)] for j = k, k - 1, ..., 0); None for a token in no chunk (or of no bytes)."""
-    data = b"".join(pieces)
-    teacher_starts = [0, *itertools.accumulate(len(piece) for piece in teacher_pieces)]
+    """For each student token of one text: (k, the position from `offset` of the teacher token its last byte falls
+    in, b, where that byte ends in the text, the text) or None for a token in no chunk (or of no bytes). The text is
+    (its bytes, where each teacher token starts, `offset`), one object shared by the text's tokens."""
+    text = (b"".join(pieces), [0, *itertools.accumulate(len(piece) for piece in teacher_pieces)], offset)
     anchors = []
     for end, piece, index in zip(itertools.accumulate(len(piece) for piece in pieces), pieces, chunk, strict=True):
         if index < 0 or not piece:
             anchors.append(None)
             continue
-        k = bisect.bisect_left(teacher_starts, end) - 1  # the last teacher token starting before b
-        anchors.append((offset + k, [(offset + j, data[teacher_starts[j] : end]) for j in range(k, -1, -1)]))
+        k = bisect.bisect_left(text[1], end) - 1  # the last teacher token starting before b
+        anchors.append((offset + k, end, text))
     return anchors
 
 
@@ -112,6 +111,7 @@ class CrossTokenizerTeacher:
         if credit == "byte":  # the teacher's whole next-token distribution where a token may go on: its final states
             if isinstance(scorer, LocalTeacher):
                 scorer.return_hidden = True
+                scorer.student_vocab_size = None  # another vocabulary: no dense term whose coverage to warn about
             elif scorer is not None:  # a served teacher sends its top entries
                 scorer.topk = max(scorer.topk, SERVED_EXTENSION_TOPK)
         self.scorer = scorer
@@ -145,7 +145,7 @@ class CrossTokenizerTeacher:
 
     def _translate(self, ids: list[int], action: list[int]):
         """`translate`, plus each student token's anchor (see `_anchors`; an end of turn: its teacher position and no
-        bytes to extend), or None where not aligned."""
+        text), or None where not aligned."""
         teacher_ids, teacher_chunk, student_chunk = [], [], [-1] * len(ids)
         anchors = [None] * len(ids)
         chunks = 0
@@ -170,7 +170,7 @@ class CrossTokenizerTeacher:
                 chunks += count
                 if k < end:  # the student's end of turn, scored as the teacher's
                     student_chunk[k] = chunks
-                    anchors[k] = (len(teacher_ids), [])
+                    anchors[k] = (len(teacher_ids), None, None)
                     teacher_ids.append(self.end_of_turn)
                     teacher_chunk.append(chunks)
                     chunks += 1
@@ -276,13 +276,17 @@ class CrossTokenizerTeacher:
             for i, anchor in enumerate(anchors):
                 if anchor is None:
                     continue
-                k, covers = anchor
+                k, end, text = anchor
                 terms = []  # the teacher tokens that could cross b, back to the first one before k that none can
-                for j, text in covers:
-                    ids = self.teacher.extensions(text)
-                    if not ids and j < k:
-                        break
-                    terms += [(j, ids)] if ids else []
+                if text is not None:  # not an end of turn
+                    data, starts, offset = text
+                    for j in range(k - offset, -1, -1):
+                        ids = self.teacher.extensions(data[starts[j] : end])
+                        if j == k - offset and teacher_ids[k] not in ids:  # an added token in the text is its own
+                            ids = [*ids, teacher_ids[k]]
+                        if not ids:
+                            break
+                        terms.append((offset + j, ids))
                 if all(j == k and ids == [teacher_ids[k]] for j, ids in terms):  # the token itself
                     prefixes[row][i] = (k + 1, [])
                     continue
