@@ -181,5 +181,5 @@ def test_demo_says_where_its_result_falls_in_the_measured_range(tmp_path):
 
     # the committed sweep is what the README's quick start quotes
     measured = json.loads((ROOT / demo_seeds.SWEEP).read_text())["runs"]
-    low, high = (f"{f(run['accuracy'] for run in measured):.2f}" for f in (min, max))
+    low, high = (f"{f(run['accuracy'] for run in measured):.3f}" for f in (min, max))
     assert f"held-out accuracy between {low} and {high}" in (ROOT / "README.md").read_text()
