@@ -2,13 +2,15 @@
 
 import json
 import math
+import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import TrainerCallback
 
 from trl_opd import OPDTrainer
-from trl_opd.serve import vllm_command
+from trl_opd.serve import ROUTE_DIR, server_env, vllm_command
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
 from trl_opd.teachers.vllm_server import TeacherServerError, VLLMServerTeacher
@@ -70,6 +72,37 @@ def test_served_topk_equals_the_local_teachers_and_trains(teacher_server, tiny, 
     assert first["loss"] == pytest.approx(first["opd/reverse_kl_topk"], rel=1e-4)  # the dense term alone
 
 
+@pytest.mark.parametrize("topk", [0, 5])
+def test_the_compact_endpoint_scores_exactly_as_the_stock_one(teacher_server, tokenizer, topk):
+    batch = _padded_batch()
+    served = VLLMServerTeacher(teacher_server, batch_size=2, topk=topk)
+    served.connect(tokenizer, student_name="tiny student")
+    assert served.compact == {teacher_server: True}  # `trl-opd serve-teacher` adds /opd/score
+    compact = served.score(*batch)
+    served.compact[teacher_server] = False  # what a stock vLLM server answers, through /v1/completions
+    stock = served.score(*batch)
+    mask = batch[3].bool()
+    assert torch.equal(compact.logps, stock.logps) and compact.logps[mask].abs().min() > 0
+    assert torch.equal(compact.is_top1, stock.is_top1)
+    if topk:
+        assert torch.equal(compact.topk_ids, stock.topk_ids) and torch.equal(compact.topk_logps, stock.topk_logps)
+
+
+def test_the_compact_endpoint_says_what_is_wrong_with_a_request(teacher_server):
+    import requests
+
+    def post(**request):
+        answer = requests.post(teacher_server + "/opd/score", json=request, timeout=60)
+        error = answer.json()["error"]  # vLLM's own refusals come in its error object
+        return answer.status_code, error["message"] if isinstance(error, dict) else error
+
+    assert post(sequences=[[5, 6, 7]], score_from=[0]) == (
+        400, "bad /opd/score request: score_from 0 must be in [1, 3] (position 0 has no log-prob)")
+    assert post(sequences=[[5, 6, 7]], score_from=[1, 2])[1].endswith("must be lists of the same length")
+    status, error = post(sequences=[[5, 6, 7]], score_from=[1], topk=21)  # the server allows 20
+    assert status == 400 and "prompt logprobs of 21, which is greater than max allowed: 20" in error
+
+
 def test_topk_beyond_the_servers_limit_is_refused_at_start_up(teacher_server, tokenizer):
     served = VLLMServerTeacher(teacher_server, topk=21)  # serve-teacher allows 20
     with pytest.raises(TeacherServerError, match=r"HTTP 400(.|\n)*--max-logprobs 21 or more, or lower opd_topk"):
@@ -127,7 +160,7 @@ def test_a_sequence_at_or_over_max_model_len_is_refused_before_any_request(teach
     # the check is not stricter than the server: vLLM itself refuses the sequence
     sequence = torch.cat([batch[0][1], batch[2][1]]).tolist()
     with pytest.raises(TeacherServerError, match="HTTP 400"):
-        served._score_chunk(teacher_server, [sequence], first_index=1)
+        served._score_chunk(teacher_server, [sequence[:100]], [sequence[100:]], first_index=1)
     assert len(sent) == 1
 
 
@@ -295,6 +328,30 @@ def test_malformed_answers_are_rejected_with_the_sequence(fake_server, prompt_lo
         VLLMServerTeacher(server.url).score(*_one_sequence())
 
 
+def test_a_compact_answer_of_the_wrong_shape_or_not_finite_is_rejected(fake_server):
+    import base64
+
+    def array(values, dtype):
+        return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode()
+
+    def answer(lengths, logprobs):
+        return 200, {"lengths": lengths, "logprobs": array(logprobs, "<f4"), "ranks": array([1] * len(logprobs), "<i4"),
+                     "topk_ids": "", "topk_logprobs": ""}
+
+    for canned, message in [(answer([1], [-0.5]), r"with \[1\] scored positions, expected \[2\]"),
+                            (answer([2], [-0.5, math.inf]), "sequence 0, completion position 1 has log-prob inf")]:
+        server = fake_server(canned)
+        teacher = VLLMServerTeacher(server.url)
+        teacher.compact[server.url] = True
+        with pytest.raises(TeacherServerError, match=message):
+            teacher.score(*_one_sequence())
+    server = fake_server(answer([2], [-0.5, -2.0]))
+    teacher = VLLMServerTeacher(server.url)
+    teacher.compact[server.url] = True
+    assert teacher.score(*_one_sequence()).logps.tolist() == [[-0.5, -2.0]]
+    assert server.requests[-1][2] == {"sequences": [[5, 6, 7, 8]], "score_from": [2], "topk": 0}
+
+
 def test_an_answer_with_fewer_than_k_tokens_is_rejected(fake_server):
     server = fake_server(_answer([None, {"6": {"logprob": -1.0}}, {"7": {"logprob": -0.5, "rank": 1}},
                                   {"8": {"logprob": -2.0, "rank": 3}, "3": {"logprob": -0.1, "rank": 1}}]))
@@ -320,6 +377,11 @@ def test_serve_teacher_command_has_the_scoring_flags_and_user_flags_win():
     assert command[command.index("--logprobs-mode") + 1] == "raw_logprobs"
     assert command[command.index("--max-logprobs") + 1] == "20"
     assert command.count("--port") == 1 and command[command.index("--port") + 1] == "7"
+    # the compact scoring endpoint, from a directory that holds nothing else to shadow the server's imports
+    assert command[command.index("--middleware") + 1] == "opd_scoring_route.opd_scoring"
+    paths = server_env({"PYTHONPATH": "/elsewhere"})["PYTHONPATH"].split(os.pathsep)
+    assert paths == [str(ROUTE_DIR), "/elsewhere"]
+    assert sorted(p.name for p in ROUTE_DIR.iterdir() if p.suffix == ".py") == ["opd_scoring_route.py"]
 
 
 # ------------------------------------------------------------------ the real server stopped mid-run (kept last: slow)
@@ -362,7 +424,7 @@ def test_server_down_stops_training_and_the_last_checkpoint_resumes(
     trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts)
     trainer.add_callback(_StopServerAfterStep(teacher_server_process, step=1, restart=False))
     try:
-        with pytest.raises(TeacherServerError, match=rf"{teacher_server} did not answer POST /v1/completions"):
+        with pytest.raises(TeacherServerError, match=rf"{teacher_server} did not answer POST /opd/score"):
             trainer.train()
     finally:
         teacher_server_process.start()

@@ -1,8 +1,9 @@
 """`trl-opd serve-teacher MODEL [vllm args]`: start a vLLM server set up for teacher scoring, and say how to use it.
 
 Teacher scoring needs raw log-probs of given tokens (`prompt_logprobs`), enough `--max-logprobs` for top-k scoring,
-and no prefix caching (prompt log-prob requests do not use it reliably). Extra arguments go to vLLM unchanged and win
-over these defaults.
+and no prefix caching (prompt log-prob requests do not use it reliably). The server also gets this project's compact
+scoring endpoint (`/opd/score`, `trl_opd/server_route`), which the trainer uses where a server has it; the stock
+OpenAI endpoints stay as they are. Extra arguments go to vLLM unchanged and win over these defaults.
 """
 
 from __future__ import annotations
@@ -10,13 +11,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+# The compact scoring endpoint, imported by the server from ROUTE_DIR (which holds that one module only)
+ROUTE_DIR = Path(__file__).parent / "server_route"
+SCORING_ROUTE = "opd_scoring_route.opd_scoring"
+
+
+def server_env(environ: dict) -> dict:
+    """The server's environment: `environ` with ROUTE_DIR first on its PYTHONPATH."""
+    paths = [str(ROUTE_DIR), *filter(None, environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def vllm_command(model: str, *, python: str, host: str, port: int, max_logprobs: int, extra: list[str]) -> list[str]:
     """The server command line: vLLM's OpenAI-compatible API server with the flags teacher scoring needs."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host, "--port",
                str(port), "--max-logprobs", str(max_logprobs), "--no-enable-prefix-caching",
-               "--logprobs-mode", "raw_logprobs"]
+               "--logprobs-mode", "raw_logprobs", "--middleware", SCORING_ROUTE]
     given = {arg.split("=")[0] for arg in extra if arg.startswith("--")}
     for flag in ("--host", "--port", "--max-logprobs", "--logprobs-mode"):
         if flag in given:  # the user's value wins: drop ours and its value
@@ -61,4 +73,4 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Teacher will serve at http://{host}:{args.port} once /health answers. In a recipe:\n"
           f"  teacher_server_url: http://{host}:{args.port}", flush=True)
     if not args.dry_run:
-        os.execv(command[0], command)
+        os.execve(command[0], command, server_env(dict(os.environ)))

@@ -302,8 +302,8 @@ class TeacherServerProcess:
     `python` is an interpreter with vllm installed (here vLLM's CPU build lives in `.venv-vllm`).
     """
 
-    def __init__(self, model, log, python: str, *, port: int | None = None):
-        self.model, self.log, self.python = model, Path(log), python
+    def __init__(self, model, log, python: str, *, port: int | None = None, max_model_len: int = 512):
+        self.model, self.log, self.python, self.max_model_len = model, Path(log), python, max_model_len
         self.url = f"http://127.0.0.1:{port or free_port()}"
         self.process = None
 
@@ -315,8 +315,8 @@ class TeacherServerProcess:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
         command = [sys.executable, "-m", "trl_opd", "serve-teacher", str(self.model), "--python", self.python,
-                   "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32", "--max-model-len", "512",
-                   "--enforce-eager"]
+                   "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32",
+                   "--max-model-len", str(self.max_model_len), "--enforce-eager"]
         with open(self.log, "a") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
@@ -369,13 +369,16 @@ class TeacherServerProcess:
         self.stop()
 
 
+MAX_LOOPBACK_BODY = 64 * 2**20  # bytes: a loopback test server refuses larger requests
+
+
 class LoopbackHTTPServer:
     """An HTTP server on 127.0.0.1 for injecting server faults in tests. Every request is recorded in `requests` as
     (path, headers, body parsed as JSON where it is JSON) and answered by `respond(path, headers, body)`, which
     returns (status, answer): bytes are sent as they are, anything else as JSON. Close it, or use it as a context
     manager."""
 
-    def __init__(self, respond):
+    def __init__(self, respond, *, record: bool = True):
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -384,12 +387,17 @@ class LoopbackHTTPServer:
 
         class Handler(BaseHTTPRequestHandler):
             def _reply(self):
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                length = int(self.headers.get("Content-Length") or 0)
+                if length > MAX_LOOPBACK_BODY:
+                    self.send_error(413, f"request body over {MAX_LOOPBACK_BODY} bytes")
+                    return
+                raw = self.rfile.read(length)
                 try:
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     body = raw
-                server.requests.append((self.path, dict(self.headers), body))
+                if record:
+                    server.requests.append((self.path, dict(self.headers), body))
                 status, answer = respond(self.path, self.headers, body)  # headers: case-insensitive
                 data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
                 self.send_response(status)
@@ -417,3 +425,27 @@ class LoopbackHTTPServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class DelayedTeacherProxy(LoopbackHTTPServer):
+    """A teacher server on 127.0.0.1 that forwards every request to the server at `target` (also on this machine)
+    after `delay` seconds: a far or busy teacher, for measuring what overlapping its scoring saves without one.
+    Requests over `MAX_LOOPBACK_BODY` are refused; nothing is recorded."""
+
+    def __init__(self, target: str, delay: float):
+        import time
+        from urllib.parse import urlsplit
+
+        import requests
+
+        if urlsplit(target).hostname not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"DelayedTeacherProxy forwards to a server on this machine only, not {target!r}.")
+        session = requests.Session()
+
+        def forward(path, headers, body):
+            time.sleep(delay)
+            method = "GET" if body is None else "POST"
+            answer = session.request(method, target.rstrip("/") + path, json=body, timeout=(5, 600))
+            return answer.status_code, answer.content
+
+        super().__init__(forward, record=False)

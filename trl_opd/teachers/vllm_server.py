@@ -10,6 +10,8 @@ at most the server's `--max-model-len` less one token long.
 
 from __future__ import annotations
 
+import base64
+import itertools
 import math
 import os
 import re
@@ -17,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import requests
 import torch
 
@@ -104,6 +107,8 @@ class VLLMServerTeacher:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="opd-teacher")
         self.models: dict[str, str] = {}  # url -> served model id, filled by `connect`
+        # url -> whether it has `trl-opd serve-teacher`'s compact scoring endpoint (`/opd/score`), filled by `connect`
+        self.compact: dict[str, bool] = {}
         self.max_model_lens: dict[str, int] = {}  # url -> the server's --max-model-len, where `connect` could read it
 
     @classmethod
@@ -197,8 +202,9 @@ class VLLMServerTeacher:
                         f"The teacher served at {mask_urls(url)} ({model}) does not read {whose}'s special token "
                         f"{token!r} as id {tokenizer.convert_tokens_to_ids(token)} (it reads {ids})."
                     )
+            self.compact[url] = self._has_compact_endpoint(url)
             try:
-                (entries,) = self._score_chunk(url, [expected], first_index=0)
+                self._score_chunk(url, [expected[:1]], [expected[1:]], first_index=0)
             except TeacherServerError as error:
                 if self.topk and "HTTP 400" in str(error):
                     raise TeacherServerError(
@@ -208,16 +214,77 @@ class VLLMServerTeacher:
                         f"chunk)."
                     ) from error
                 raise
-            _read_entries(entries, expected[:1], expected[1:], index=0, url=url, topk=self.topk)
 
     # ------------------------------------------------------------------ scoring
 
-    def _score_chunk(self, url: str, sequences: list[list[int]], first_index: int) -> list[list]:
-        answer = self._request(
-            "POST", url, "/v1/completions",
-            {"model": self.models.get(url, ""), "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
-             "prompt_logprobs": self.topk},
-        )
+    def _has_compact_endpoint(self, url: str) -> bool:
+        """Whether the server answers `/opd/info` (a server started by `trl-opd serve-teacher`): its `/opd/score`
+        returns only the scored positions, as arrays. Any other vLLM server is scored through `/v1/completions`."""
+        try:
+            answer = self._request("GET", url, "/opd/info")
+        except TeacherServerError as error:
+            if "HTTP 404" in str(error):
+                return False
+            raise
+        return answer.get("version") == 1
+
+    def _score_chunk(self, url: str, prompts: list[list[int]], completions: list[list[int]], first_index: int):
+        """Per sequence: the teacher's log-prob of each completion token (n,), whether it is the argmax (n,) or None
+        when the server does not say, and its top `topk` ids and log-probs (n, k)."""
+        if self.compact.get(url):
+            return self._score_compact(url, prompts, completions, first_index)
+        sequences = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
+        scored = []
+        for i, entries in enumerate(self._completion_entries(url, sequences, first_index)):
+            values, ranks, top = _read_entries(entries, prompts[i], completions[i], index=first_index + i, url=url,
+                                               topk=self.topk)
+            n = len(values)
+            scored.append((torch.tensor(values, dtype=torch.float32),
+                           None if ranks is None else torch.tensor(ranks) == 1,
+                           torch.tensor([[token for token, _ in row] for row in top], dtype=torch.long).view(n, -1),
+                           torch.tensor([[logp for _, logp in row] for row in top]).view(n, -1)))
+        return scored
+
+    def _score_compact(self, url: str, prompts: list[list[int]], completions: list[list[int]], first_index: int):
+        """`_score_chunk` through the compact endpoint (`trl_opd/server_route`)."""
+        answer = self._request("POST", url, "/opd/score", {
+            "sequences": [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)],
+            "score_from": [len(prompt) for prompt in prompts], "topk": self.topk})
+        with _reading(url, "/opd/score", answer):
+            lengths = [int(n) for n in answer["lengths"]]
+            arrays = {name: torch.from_numpy(np.frombuffer(base64.b64decode(answer[name]), dtype=dtype).copy())
+                      for name, dtype in (("logprobs", "<f4"), ("ranks", "<i4"), ("topk_ids", "<i4"),
+                                          ("topk_logprobs", "<f4"))}
+        expected = [len(completion) for completion in completions]
+        total = sum(expected)
+        if lengths != expected or any(len(arrays[name]) != total * width for name, width in (
+                ("logprobs", 1), ("ranks", 1), ("topk_ids", self.topk), ("topk_logprobs", self.topk))):
+            raise TeacherServerError(
+                f"Teacher server {url} answered /opd/score for sequences {first_index}.."
+                f"{first_index + len(prompts) - 1} with {lengths} scored positions, expected {expected} (one per "
+                f"completion token, {self.topk} top entries each)."
+            )
+        bad = ~torch.isfinite(arrays["logprobs"])
+        if bad.any():
+            flat = int(bad.nonzero()[0])
+            row = next(i for i, end in enumerate(itertools.accumulate(expected)) if flat < end)
+            raise TeacherServerError(
+                f"Teacher server {url}: sequence {first_index + row}, completion position {flat - sum(expected[:row])} "
+                f"has log-prob {arrays['logprobs'][flat].item()}: expected a finite number."
+            )
+        values, ranks = arrays["logprobs"].split(expected), arrays["ranks"].split(expected)
+        top_ids = arrays["topk_ids"].long().view(total, self.topk).split(expected)
+        top_logps = arrays["topk_logprobs"].view(total, self.topk).split(expected)
+        return [(v, r == 1, ids, logps) for v, r, ids, logps in zip(values, ranks, top_ids, top_logps, strict=True)]
+
+    def _completion_payload(self, url: str, sequences: list[list[int]]) -> dict:
+        """The request that scores `sequences` (token ids): each as a prompt, with its per-position log-probs."""
+        return {"model": self.models.get(url, ""), "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
+                "prompt_logprobs": self.topk}
+
+    def _completion_entries(self, url: str, sequences: list[list[int]], first_index: int) -> list[list]:
+        """Each sequence's per-position entries from the stock `/v1/completions` answer with `prompt_logprobs`."""
+        answer = self._request("POST", url, "/v1/completions", self._completion_payload(url, sequences))
         with _reading(url, "/v1/completions", answer):
             choices = sorted(answer.get("choices", []), key=lambda choice: choice["index"])
             indices = [choice["index"] for choice in choices]
@@ -263,28 +330,24 @@ class VLLMServerTeacher:
                 self._check_fits(url, len(prompts[i]), len(completions[i]), index=i)
             chunks.append((indices, url))
         # sent only once every sequence is known to fit: a refused one would fail its whole chunk with a vLLM message
-        futures = []
-        for indices, url in chunks:
-            sequences = [prompts[i] + completions[i] for i in indices]
-            futures.append((indices, url, self._pool.submit(self._score_chunk, url, sequences, indices[0])))
+        futures = [(indices, self._pool.submit(self._score_chunk, url, [prompts[i] for i in indices],
+                                               [completions[i] for i in indices], indices[0]))
+                   for indices, url in chunks]
 
         logps = torch.zeros(rows, num_completion)
         is_top1 = torch.zeros(rows, num_completion, dtype=torch.bool)
         topk_ids = torch.zeros(rows, num_completion, self.topk, dtype=torch.long)
         topk_logps = torch.zeros(rows, num_completion, self.topk)
         has_rank = True
-        for indices, url, future in futures:
-            for i, entries in zip(indices, future.result(), strict=True):
-                values, ranks, top = _read_entries(entries, prompts[i], completions[i], index=i, url=url,
-                                                   topk=self.topk)
-                logps[i, : len(values)] = torch.tensor(values)
-                if ranks is None:
+        for indices, future in futures:
+            for i, (values, top1, top_ids, top_logps) in zip(indices, future.result(), strict=True):
+                n = len(values)
+                logps[i, :n] = values
+                if top1 is None:
                     has_rank = False
                 else:
-                    is_top1[i, : len(ranks)] = torch.tensor(ranks) == 1
-                if top:
-                    topk_ids[i, : len(top)] = torch.tensor([[token for token, _ in row] for row in top])
-                    topk_logps[i, : len(top)] = torch.tensor([[logp for _, logp in row] for row in top])
+                    is_top1[i, :n] = top1
+                topk_ids[i, :n], topk_logps[i, :n] = top_ids, top_logps
         device = completion_ids.device
         scores = TeacherScores(logps=logps.to(device), is_top1=is_top1.to(device) if has_rank else None)
         if self.topk:
