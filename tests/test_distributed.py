@@ -140,6 +140,14 @@ def test_a_served_teacher_under_zero3_trains_topk_like_one_process(teacher_serve
     _assert_same_training(two, one, dense_metric="opd/reverse_kl_topk")  # topk: the served teacher's default
 
 
+def test_overlapped_served_scoring_under_zero3_trains_like_one_process(teacher_server, tiny, tmp_path):
+    # the scoring thread only waits on HTTP; every collective stays on the main thread, in the same order on each rank
+    two, one = _train_both_ways(lambda out: _args(tiny, out, "--use_peft", "true", "--opd_overlap_scoring", "true",
+                                                  teacher=teacher_server), tmp_path)
+    sharded = _assert_same_training(two, one, dense_metric="opd/reverse_kl_topk")
+    assert [entry["opd/staleness"] for entry in sharded] == [0.0, 1.0, 1.0]
+
+
 def test_routed_local_teachers_under_zero3_with_a_teacher_absent_from_one_rank(tiny, tmp_path):
     # 16 rows, one routed to "self": every global batch holds all 16, so one rank scores a "self" row and the other
     # none, and must still run the same forwards of that sharded teacher (else the collective hangs)

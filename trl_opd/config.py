@@ -254,6 +254,16 @@ class OPDConfig(GRPOConfig):
             "batch. Defaults to `per_device_train_batch_size`."
         },
     )
+    opd_overlap_scoring: bool = field(
+        default=False,
+        metadata={
+            "help": "Score the next generation batch with a served teacher while the student updates on this one, so "
+            "the teacher's time overlaps the update. Each batch is then trained one update after the policy that "
+            "sampled it, with that policy's log-probs as pi_old (GRPO's clipped ratio corrects for it; "
+            "`opd/staleness` logs it). Needs served teachers only, one optimizer step per generation batch "
+            "(steps_per_generation = gradient_accumulation_steps) and num_iterations 1."
+        },
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -284,6 +294,7 @@ class OPDConfig(GRPOConfig):
         refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""
         source = self.teacher_source(teacher_model)
         _check_tokenizer_mode(self, source)
+        _check_overlap(self, source)
         if self.opd_estimator is None and self.teacher_tokenizer_mode == "cross":
             self.opd_estimator = "sampled"
         if self.opd_estimator is None:
@@ -408,6 +419,7 @@ class OPDConfig(GRPOConfig):
         if self.teacher_cross_credit not in (None, *CROSS_CREDITS):
             raise ValueError(f"teacher_cross_credit must be one of {CROSS_CREDITS}, got {self.teacher_cross_credit!r}.")
         _check_tokenizer_mode(self, self.teacher_source())
+        _check_overlap(self, self.teacher_source())
         if self.opd_topk is not None and self.opd_topk < 1:
             raise ValueError(f"opd_topk must be at least 1, got {self.opd_topk}.")
         if self.opd_reward_combination not in REWARD_COMBINATIONS:
@@ -474,4 +486,34 @@ def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
             f"opd_estimator={args.opd_estimator!r} compares the two models over one vocabulary at every position, "
             "and a teacher with another tokenizer has another vocabulary. Use opd_estimator='sampled' (the default "
             "with teacher_tokenizer_mode 'cross'), which scores the sampled text exactly."
+        )
+
+
+def _check_overlap(args: OPDConfig, source: str | None) -> None:
+    """What `opd_overlap_scoring` needs, refused before anything loads: a teacher off the trainer's devices, and at
+    most one update between sampling a batch and training on it."""
+    if not args.opd_overlap_scoring:
+        return
+    routed_local = source == "routed" and not all(is_served(teacher) for teacher in args.teachers.values())
+    if source in ("local", "reference", "student_base") or routed_local:
+        named = {"local": "a local teacher model", "reference": "ref_as_teacher",
+                 "student_base": "teacher_is_student_base"}.get(source, "routed teachers with a local model")
+        raise ValueError(
+            f"opd_overlap_scoring overlaps a served teacher's scoring with the student's update, and {named} runs on "
+            "the trainer's own devices, between the same steps: there is nothing to overlap. Serve the teacher "
+            "(`trl-opd serve-teacher MODEL`, then teacher_server_url), or remove opd_overlap_scoring."
+        )
+    if args.num_iterations != 1:
+        raise ValueError(
+            f"opd_overlap_scoring trains each batch one update after the policy that sampled it; num_iterations="
+            f"{args.num_iterations} would train it again later, more updates stale. Set num_iterations: 1, or "
+            "remove opd_overlap_scoring."
+        )
+    if args.steps_per_generation not in (None, args.gradient_accumulation_steps):
+        raise ValueError(
+            f"opd_overlap_scoring needs one optimizer step per generation batch, and steps_per_generation="
+            f"{args.steps_per_generation} with gradient_accumulation_steps={args.gradient_accumulation_steps} makes "
+            f"{args.steps_per_generation / args.gradient_accumulation_steps:g}, so a batch's last micro-batches would "
+            "be more than one update stale. Leave steps_per_generation unset (or equal to "
+            "gradient_accumulation_steps), or remove opd_overlap_scoring."
         )

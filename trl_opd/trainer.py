@@ -8,7 +8,9 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from .dense import DenseLossMixin
 from .loss import opd_advantages, shared_temperature
 from .metrics import OPDMetricsMixin, wrapped_logps_call
 from .multiturn import action_mask
+from .overlap import OverlapScoringMixin
 from .prompts import teacher_prompt
 from .runs import RunSafetyMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
@@ -44,7 +47,7 @@ def _teacher_only(**kwargs):
     raise AssertionError("OPDTrainer removes this placeholder reward function before training.")
 
 
-class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
+class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
 
     Args:
@@ -240,15 +243,27 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         return super()._generate(prompts)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        if self._overlapping():  # the batch was generated and sent to the teacher one step ago (`overlap`)
+            return self._overlapped_batch(inputs)
+        output = self._generate_for_teacher(inputs)
+        return self._finish_with_scores(output, self._teacher_request(inputs, output)())
+
+    def _generate_for_teacher(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """GRPO's generation (and rewards, and old log-probs where GRPO computes them) for `inputs`, with the mask of
+        the tokens to distil: everything the teacher's scores are then combined with."""
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         if not self.reward_funcs:
             for name in _REWARD_METRICS:
                 self._metrics[mode].pop(name, None)
+        self._action_mask(inputs, output)  # (B, T)
+        return output
 
+    def _finish_with_scores(self, output: dict[str, Any], scores: TeacherScores) -> dict[str, Any]:
+        """The teacher's advantages (and dense-term inputs, and metrics) for a generated batch, from its scores."""
+        mode = "train" if self.model.training else "eval"
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        mask = self._action_mask(inputs, output)  # (B, T)
-        scores = self._score_with_teacher(inputs, output)
+        mask = output["action_mask"]
         if scores.aligned is not None:  # a cross-tokenizer teacher: tokens in no aligned chunk are not distilled
             mask = self._restrict_action_mask(output, scores)
         if mode == "train":
@@ -308,18 +323,22 @@ class OPDTrainer(RunSafetyMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
         output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         return mask
 
-    def _score_with_teacher(self, inputs, output) -> TeacherScores:
+    def _teacher_request(self, inputs, output) -> Callable[[], TeacherScores]:
+        """The teacher's scoring of a generated batch, ready to call: everything it reads from the trainer (the
+        teacher's prompts, the routes) is taken now, so the call may run later or in another thread."""
         own_prompt = self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None
         if self.args.ref_as_teacher and own_prompt and "ref_per_token_logps" in output:
-            return TeacherScores(logps=output["ref_per_token_logps"])  # GRPO already computed them for its KL term
+            scores = TeacherScores(logps=output["ref_per_token_logps"])  # GRPO computed them for its KL term
+            return lambda: scores
+        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         if isinstance(self.teacher, CrossTokenizerTeacher):  # the teacher renders the prompts with its own template
-            return self.teacher.score(self._teacher_prompt_messages(inputs, output), output["completion_ids"],
-                                      output["completion_mask"], output["action_mask"])
+            messages = self._teacher_prompt_messages(inputs, output)
+            return partial(self.teacher.score, messages, completion_ids, completion_mask, output["action_mask"])
         prompt_ids, prompt_mask = self._teacher_prompts(inputs, output)
-        batch = (prompt_ids, prompt_mask, output["completion_ids"], output["completion_mask"])
         if self.args.teachers:
-            return self.teacher.score(*batch, routes=[row[self.args.teacher_route_column] for row in inputs])
-        return self.teacher.score(*batch)
+            routes = [row[self.args.teacher_route_column] for row in inputs]
+            return partial(self.teacher.score, prompt_ids, prompt_mask, completion_ids, completion_mask, routes=routes)
+        return partial(self.teacher.score, prompt_ids, prompt_mask, completion_ids, completion_mask)
 
     def _teacher_prompts(self, inputs, output) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message or column)."""
