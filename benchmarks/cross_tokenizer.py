@@ -98,7 +98,7 @@ def run_arm(pair: str, arm: str, args) -> dict:
         output_dir=str(Path(args.workdir) / f"{pair}-{mode}-{credit}"), max_steps=args.steps, num_generations=1,
         per_device_train_batch_size=settings["batch_size"], learning_rate=settings["learning_rate"],
         max_completion_length=settings["max_completion_length"], temperature=1.0, opd_estimator="sampled",
-        teacher_tokenizer_mode=mode, teacher_cross_credit=credit, seed=args.seed,
+        teacher_tokenizer_mode=mode, teacher_cross_credit=credit, seed=args.seed, kl_discount_factor=args.kl_discount,
         logging_steps=max(args.steps // 4, 1), save_strategy="no",
         report_to="none", bf16=False, gradient_checkpointing=False, disable_dropout=True, disable_tqdm=True,
         overwrite_output_dir=True,
@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: the pair's")
     parser.add_argument("--learning-rate", type=float, default=None, help="default: the pair's")
     parser.add_argument("--arms", nargs="*", default=None, help="default: all of the pair's")
+    parser.add_argument("--kl-discount", type=float, default=0.0,
+                        help="kl_discount_factor: 0 a per-token advantage, above 0 a discounted return-to-go")
     parser.add_argument("--workdir", default="artifacts/cross_tokenizer")
     parser.add_argument("--json", default=None, help="default: benchmarks/results/cross_tokenizer_<pair>.json")
     parser.add_argument("--from-json", action="store_true", help="print the table of a saved run")
@@ -160,7 +162,7 @@ def main() -> None:
 
         make_other_family_teacher(PAIRS["tiny"]["task"])
     results = {"machine": describe_machine(), "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
-               "eval_prompts": args.eval_prompts, "runs": []}
+               "eval_prompts": args.eval_prompts, "kl_discount_factor": args.kl_discount, "runs": []}
     if args.pair == "tiny":
         results["task_accuracy"] = json.loads((Path(PAIRS["tiny"]["task"]) / "accuracy.json").read_text())
     for key in ("max_completion_length", "learning_rate"):
