@@ -338,8 +338,15 @@ def test_cross_tokenizer_configurations_that_cannot_work_are_refused(tiny, promp
         make_config(teacher_tokenizer_mode="cross", opd_estimator="topk", teacher_model_name_or_path="x")
     with pytest.raises(ValueError, match="ref_as_teacher is the student's own model"):
         make_config(teacher_tokenizer_mode="cross", ref_as_teacher=True)
-    with pytest.raises(ValueError, match="not routed teachers"):
-        make_config(teacher_tokenizer_mode="cross", teachers={"a": "x", "b": "y"})
+    with pytest.raises(ValueError, match="a mapping of routed teacher names to tokenizers, but there are no routed"):
+        make_config(teacher_tokenizer_mode="cross", teacher_model_name_or_path="x",
+                    teacher_tokenizer_name_or_path={"a": "x"})
+    with pytest.raises(ValueError, match="names 'c', which is not among the routed teachers"):
+        make_config(teacher_tokenizer_mode="cross", teachers={"a": "x", "b": "y"},
+                    teacher_tokenizer_name_or_path={"c": "x"})
+    with pytest.raises(ValueError, match=r"teachers\['b'\] is served.*name it in teacher_tokenizer_name_or_path"):
+        make_config(teacher_tokenizer_mode="cross", teachers={"a": "x", "b": "http://127.0.0.1:9"},
+                    teacher_tokenizer_name_or_path={"a": "x"})
     with pytest.raises(ValueError, match="teacher_tokenizer_name_or_path is the tokenizer of a teacher from another"):
         make_config(teacher_tokenizer_name_or_path="x")
     with pytest.raises(ValueError, match="teacher_tokenizer_mode must be one of"):
@@ -393,3 +400,64 @@ def test_the_held_out_text_kl_of_a_model_against_itself_is_zero(tiny, tokenizer,
     metrics = heldout_text_reverse_kl(student, tokenizer, student, tokenizer, rows, max_new_tokens=8, batch_size=4)
     assert metrics["reverse_kl_per_sequence"] == pytest.approx(0.0, abs=1e-4)
     assert metrics["characters"] > 6 and metrics["unaligned_token_fraction"] == 0.0
+
+
+def test_routed_teachers_of_other_families_each_read_the_text_their_own_way(tiny, prompts, make_config,
+                                                                             tiny_other_teacher, tokenizer):
+    """Cross mode with routed teachers: each route's rows reach only that teacher, rendered by its own template, and
+    the batch's scores are each teacher's scores of its own rows, every field, put back in place."""
+    routes = ["other", "same", "other", "same"]
+    dataset = prompts.select(range(4)).add_column("domain", routes)
+    config = make_config(teacher_tokenizer_mode="cross", max_steps=1, teacher_route_column="domain",
+                         teachers={"same": str(tiny / "teacher"), "other": str(tiny_other_teacher)})
+    trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=dataset)
+    assert set(trainer.teacher.scorers) == {"same", "other"}
+    seen = {}
+    for name, cross in trainer.teacher.scorers.items():
+        inner, original = cross.scorer, cross.scorer.score
+
+        def recording(prompt_ids, prompt_mask, *rest, name=name, original=original):
+            seen.setdefault(name, []).extend(ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask,
+                                                                                       strict=True))
+            return original(prompt_ids, prompt_mask, *rest)
+
+        inner.score = recording
+    trainer.train()
+    for name, path in (("same", tiny / "student"), ("other", tiny_other_teacher)):
+        own = AutoTokenizer.from_pretrained(path)
+        expected = [own.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
+                    for row, route in zip(dataset, routes, strict=True) if route == name]
+        assert sorted(seen[name]) == sorted(expected)
+    assert trainer.state.log_history[0]["opd/unaligned_token_fraction"] == 0.0
+
+    # the routed batch's scores, against each teacher scoring its own rows alone
+    messages = [row["prompt"] for row in dataset]
+    ids, mask = _completions(tokenizer, TEXTS + TEXTS[:1])
+    routed = trainer.teacher.score(messages, ids, mask, mask, routes=routes)
+    for name, cross in trainer.teacher.scorers.items():
+        rows = [i for i, route in enumerate(routes) if route == name]
+        alone = cross.score([messages[i] for i in rows], ids[rows], mask[rows], mask[rows])
+        for field in ("logps", "aligned", "text_chunk_ends"):
+            assert torch.equal(getattr(routed, field)[rows], getattr(alone, field)), (name, field)
+    assert routed.aligned[mask.bool()].all()  # both vocabularies spell every byte of these texts
+
+
+def test_check_shows_the_routed_teacher_of_the_first_row(tiny, tiny_other_teacher, tmp_path, capsys):
+    import json
+
+    from trl_opd import cli
+
+    rows = [json.loads(line) for line in open(tiny / "train.jsonl")][:64]
+    data = tmp_path / "routed.jsonl"
+    data.write_text("".join(json.dumps({**row, "domain": ["other", "same"][i % 2]}) + "\n"
+                            for i, row in enumerate(rows)))
+    teachers = json.dumps({"same": str(tiny / "teacher"), "other": str(tiny_other_teacher)})
+    argv = ["check", "--config", "recipes/smoke_cpu.yaml", "--model_name_or_path", str(tiny / "student"),
+            "--teacher_model_name_or_path", "", "--teachers", teachers, "--teacher_route_column", "domain",
+            "--teacher_tokenizer_mode", "cross", "--dataset_name", str(data), "--output_dir", str(tmp_path / "unused")]
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_code.value.code == 0
+    assert "first prompt, teacher's chat template (other): '<|user|>\\nWhat is" in out  # the other family's template
+    assert "the same rollout in both tokenisations (teacher " in out

@@ -43,7 +43,8 @@ class OPDConfig(GRPOConfig):
     Unlike GRPO, `num_generations=1` is allowed: the teacher signal needs no group of completions per prompt.
     """
 
-    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs", "teachers"]
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs", "teachers",
+                                                          "teacher_tokenizer_name_or_path"]
 
     teacher_model_name_or_path: str | None = field(
         default=None,
@@ -60,15 +61,17 @@ class OPDConfig(GRPOConfig):
             "start-up). 'cross': the teacher has its own tokenizer and chat template (another model family): it "
             "reads the prompt through its own template and scores the text the student sampled, tokenised its way "
             "(see teacher_cross_credit for how its log-probs reach the student's tokens). The sampled estimator "
-            "only; one teacher (local or served).",
+            "only; a local, served or adapter teacher, or routed teachers (each with its own tokenizer).",
             "choices": list(TOKENIZER_MODES),
         },
     )
-    teacher_tokenizer_name_or_path: str | None = field(
+    teacher_tokenizer_name_or_path: dict[str, str] | str | None = field(
         default=None,
         metadata={
             "help": "With teacher_tokenizer_mode 'cross': the teacher's tokenizer and chat template. Defaults to the "
-            "local teacher's own; required for a served teacher (the server's tokenisation is checked against it)."
+            "local teacher's own; required for a served teacher (the server's tokenisation is checked against it). "
+            "With routed `teachers`, one tokenizer for all of them, or a mapping of teacher names to tokenizers, "
+            'e.g. {"code": "Qwen/Qwen2.5-Coder-7B-Instruct"} (a local teacher left out reads its own)."'
         },
     )
     teacher_cross_credit: str | None = field(
@@ -478,9 +481,25 @@ def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
             f"{'ref_as_teacher' if source == 'reference' else 'teacher_is_student_base'} is the student's own model. "
             "Remove teacher_tokenizer_mode."
         )
-    if source == "routed":
-        raise ValueError("teacher_tokenizer_mode 'cross' takes one teacher (local or served), not routed teachers "
-                         "(teachers): route rows to teachers that share the student's tokenizer.")
+    tokenizers = args.teacher_tokenizer_name_or_path
+    if isinstance(tokenizers, dict):
+        if source != "routed":
+            raise ValueError(
+                "teacher_tokenizer_name_or_path is a mapping of routed teacher names to tokenizers, but there are no "
+                "routed `teachers`: give the one teacher's tokenizer as a path or Hub id."
+            )
+        unknown = sorted(set(tokenizers) - set(args.teachers))
+        if unknown:
+            raise ValueError(f"teacher_tokenizer_name_or_path names {unknown[0]!r}, which is not among the routed "
+                             f"teachers {sorted(args.teachers)}.")
+    if source == "routed" and not isinstance(tokenizers, str):
+        for name, teacher in args.teachers.items():
+            if is_served(teacher) and name not in (tokenizers or {}):
+                raise ValueError(
+                    f"teachers[{name!r}] is served, and a served teacher's tokenizer cannot be read from the server: "
+                    "name it in teacher_tokenizer_name_or_path, e.g. "
+                    f"{{{name!r}: <the served model's path or Hub id>}}."
+                )
     if args.opd_estimator not in (None, "sampled"):
         raise ValueError(
             f"opd_estimator={args.opd_estimator!r} compares the two models over one vocabulary at every position, "

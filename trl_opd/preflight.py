@@ -25,7 +25,7 @@ _REFERENCE_PASS = dict(
 ZERO_KL_TOLERANCE = 1e-4
 
 
-def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple[dict, object, dict]:
+def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple[dict, object, dict, list]:
     from .cli import build_trainer
 
     trainer = build_trainer(script_args, training_args, model_args, train_dataset=dataset)
@@ -38,7 +38,7 @@ def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple
             trainer.compute_loss(trainer.model, output)
     metrics = trainer._metrics["train"]
     opd = {name: sum(values) / len(values) for name, values in metrics.items() if name.startswith("opd/")}
-    return opd, trainer, output
+    return opd, trainer, output, batch
 
 
 def _render(tokenizer, prompt) -> str:
@@ -61,22 +61,25 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     teacher_args = dataclasses.replace(training_args, **common)
     rows = dataset.select(range(min(len(dataset), teacher_args.generation_batch_size)))
 
-    reference, _, _ = _one_batch_metrics(script_args, reference_args, model_args, rows)
+    reference, *_ = _one_batch_metrics(script_args, reference_args, model_args, rows)
     cross = training_args.teacher_tokenizer_mode == "cross"
     echo("tokenizers: the teacher has its own, and both give text back byte for byte (teacher_tokenizer_mode: "
          "cross; checked at start-up)" if cross else
          "tokenizers: the student and the teacher agree (checked at start-up)")
-    teacher, trainer, output = _one_batch_metrics(script_args, teacher_args, model_args, rows)
+    teacher, trainer, output, batch = _one_batch_metrics(script_args, teacher_args, model_args, rows)
 
     prompt = rows[0]["prompt"]
     shown_to_teacher = teacher_prompt(rows[0], prompt, column=training_args.teacher_prompt_column,
                                       system=training_args.teacher_system_prompt)
     student_tokenizer = trainer.processing_class
     teacher_name = training_args.teacher_model_name_or_path
-    teacher_tokenizer = trainer.teacher_processing_class if cross else (
+    routed = training_args.teacher_route_column if training_args.teachers else None
+    first_route = rows[0][routed] if routed else "teacher"
+    teacher_tokenizer = trainer.teacher_tokenizers[first_route] if cross else (
         AutoTokenizer.from_pretrained(teacher_name) if teacher_name else student_tokenizer)
     echo(f"first prompt, student's chat template: {_render(student_tokenizer, prompt)!r}")
-    echo(f"first prompt, teacher's chat template: {_render(teacher_tokenizer, shown_to_teacher)!r}")
+    echo(f"first prompt, teacher's chat template{f' ({first_route})' if routed else ''}: "
+         f"{_render(teacher_tokenizer, shown_to_teacher)!r}")
     echo("  (the teacher reads its own rendering, shown here)" if cross else
          "  (the teacher scores the student's rendering of its own prompt, token for token; a different template "
          "here means the teacher's own format differs from what it will see)")
@@ -86,9 +89,11 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
         length = int(output["completion_mask"][row].sum())
         ids = output["completion_ids"][row, :length].tolist()
         sampled = output["action_mask"][row, :length].tolist()  # the distilled tokens
-        echo("the same rollout in both tokenisations, one column per chunk (each chunk's teacher log-prob is compared "
-             "with the sum of its student tokens'; ⟦...⟧ is not distilled):\n"
-             + trainer.teacher.side_by_side(ids, sampled))
+        route = batch[row][routed] if routed else None
+        scorer = trainer.teacher.scorers[route] if routed else trainer.teacher
+        echo(f"the same rollout in both tokenisations{f' (teacher {route})' if routed else ''}, one column per chunk "
+             "(each chunk's teacher log-prob is compared with the sum of its student tokens'; ⟦...⟧ is not "
+             "distilled):\n" + scorer.side_by_side(ids, sampled))
 
     kl = reference["opd/reverse_kl"]
     ok = abs(kl) <= ZERO_KL_TOLERANCE

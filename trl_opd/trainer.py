@@ -31,7 +31,7 @@ from .prompts import teacher_prompt
 from .runs import RunSafetyMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.cross import CrossTokenizerTeacher
-from .teachers.loading import load_cross_tokenizer, load_teachers
+from .teachers.loading import load_cross_tokenizers, load_teachers
 from .teachers.local import freeze_teacher
 from .teachers.reference import ReferenceTeacher
 from .teachers.routed import RoutedTeacher
@@ -65,7 +65,8 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             sampled are distilled: GRPO's tool mask, or an `action_mask` a rollout function returns per row (see
             `_action_mask`). An environment's `get_reward` joins the reward functions, as in GRPO.
         teacher_processing_class: the teacher's tokenizer, for the compatibility check; loaded from the teacher's
-            path when omitted (and taken to be the student's for a teacher model with no path).
+            path when omitted (and taken to be the student's for a teacher model with no path). In cross mode, the
+            tokenizer the teacher reads the text with (every routed teacher's, if routed).
     """
 
     _tag_names = ["trl", "opd", "on-policy-distillation"]
@@ -108,16 +109,16 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             )
         check_chat_template(processing_class, train_dataset, name="train_dataset")
         student_tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        teacher_tokenizers = None  # cross mode: each teacher's own tokenizer, by name
         if args.teacher_tokenizer_mode == "cross":
-            teacher_processing_class = load_cross_tokenizer(
-                teacher_model if teacher_model is not None else args.teacher_model_name_or_path
-                or (args.teacher_server_url or [None])[0],
-                args, student_tokenizer=student_tokenizer, teacher_tokenizer=teacher_processing_class,
-            )
-            check_chat_template(teacher_processing_class, train_dataset, name="train_dataset", role="teacher")
+            teacher_tokenizers = load_cross_tokenizers(teacher_model, args, student_tokenizer=student_tokenizer,
+                                                       teacher_tokenizer=teacher_processing_class)
+            for tokenizer in teacher_tokenizers.values():
+                check_chat_template(tokenizer, train_dataset, name="train_dataset", role="teacher")
+            teacher_processing_class = teacher_tokenizers.get("teacher")
         teachers = load_teachers(
             model, teacher_model, args, student_name=student_name, student_tokenizer=student_tokenizer,
-            teacher_tokenizer=teacher_processing_class,
+            teacher_tokenizer=teacher_tokenizers if teacher_tokenizers is not None else teacher_processing_class,
         )
 
         user_beta = args.beta
@@ -150,6 +151,7 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
 
         self.accuracy_func = accuracy_func
         self.teacher_processing_class = teacher_processing_class
+        self.teacher_tokenizers = teacher_tokenizers
         self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()
 
@@ -184,12 +186,14 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
                              "tokens: the top-k term compares at most that many. Lower opd_topk.")
         if args.opd_estimator == "full":  # refuse a pair of temperatures the kernel cannot apply, before training
             shared_temperature(self._student_head(self._student_causal_lm()), scorers["teacher"].output_head)
-        if args.teacher_tokenizer_mode == "cross":
-            return CrossTokenizerTeacher(
-                scorers["teacher"], student_tokenizer=self._tokenizer, teacher_tokenizer=self.teacher_processing_class,
-                stop_ids=self.eos_token_ids, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
-                credit=args.teacher_cross_credit or "byte",
-            )
+        if args.teacher_tokenizer_mode == "cross":  # each teacher reads the sampled text its own way
+            scorers = {
+                name: CrossTokenizerTeacher(
+                    scorer, student_tokenizer=self._tokenizer, teacher_tokenizer=self.teacher_tokenizers[name],
+                    stop_ids=self.eos_token_ids, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
+                    credit=args.teacher_cross_credit or "byte",
+                ) for name, scorer in scorers.items()
+            }
         if not args.teachers:
             return scorers["teacher"]
         sharded = tuple(self.teacher_models) if self.is_deepspeed_enabled else ()  # ZeRO-3 forwards are collectives
@@ -331,14 +335,15 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             scores = TeacherScores(logps=output["ref_per_token_logps"])  # GRPO computed them for its KL term
             return lambda: scores
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        if isinstance(self.teacher, CrossTokenizerTeacher):  # the teacher renders the prompts with its own template
-            messages = self._teacher_prompt_messages(inputs, output)
-            return partial(self.teacher.score, messages, completion_ids, completion_mask, output["action_mask"])
-        prompt_ids, prompt_mask = self._teacher_prompts(inputs, output)
+        if self.args.teacher_tokenizer_mode == "cross":  # the teacher renders the prompts with its own template
+            batch = (self._teacher_prompt_messages(inputs, output), completion_ids, completion_mask,
+                     output["action_mask"])
+        else:
+            batch = (*self._teacher_prompts(inputs, output), completion_ids, completion_mask)
         if self.args.teachers:
             routes = [row[self.args.teacher_route_column] for row in inputs]
-            return partial(self.teacher.score, prompt_ids, prompt_mask, completion_ids, completion_mask, routes=routes)
-        return partial(self.teacher.score, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            return partial(self.teacher.score, *batch, routes=routes)
+        return partial(self.teacher.score, *batch)
 
     def _teacher_prompts(self, inputs, output) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message or column)."""

@@ -77,27 +77,32 @@ def check_adapter_base(adapter: str, teacher_name: str) -> None:
         )
 
 
-def load_cross_tokenizer(teacher, args, *, student_tokenizer, teacher_tokenizer=None):
-    """The teacher's own tokenizer, for teacher_tokenizer_mode 'cross': `teacher_tokenizer` if given, else
-    teacher_tokenizer_name_or_path, else the local teacher's. Both tokenizers are checked to give text back byte for
-    byte, before any weights load."""
-    if teacher_tokenizer is None:
-        name = args.teacher_tokenizer_name_or_path
-        if name is None and isinstance(teacher, str) and not is_served(teacher):
-            name = teacher
-        elif name is None and hasattr(teacher, "config"):
-            name = get_config_model_id(teacher.config)
-        if not name:
-            raise ValueError(
-                "teacher_tokenizer_mode 'cross' needs the teacher's tokenizer: set teacher_tokenizer_name_or_path to "
-                "the teacher's path or Hub id (for a served teacher, the served model's), or pass "
-                "teacher_processing_class."
-            )
-        teacher_tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-    teacher_tokenizer = getattr(teacher_tokenizer, "tokenizer", teacher_tokenizer)
+def load_cross_tokenizers(teacher_model, args, *, student_tokenizer, teacher_tokenizer=None) -> dict:
+    """Each teacher's own tokenizer, for teacher_tokenizer_mode 'cross', by teacher name ("teacher" for a single
+    one): `teacher_tokenizer` if given, else teacher_tokenizer_name_or_path (one for all, or by name), else the local
+    teacher's. Both sides are checked to give text back byte for byte, before any weights load."""
     ByteVocabulary.of(student_tokenizer).check_lossless(role="student")
-    ByteVocabulary.of(teacher_tokenizer).check_lossless(role="teacher")
-    return teacher_tokenizer
+    given = args.teacher_tokenizer_name_or_path
+    tokenizers = {}
+    for route, teacher in teacher_sources(teacher_model, args).items():
+        tokenizer = teacher_tokenizer
+        if tokenizer is None:
+            name = given.get(route) if isinstance(given, dict) else given
+            if name is None and isinstance(teacher, str) and not is_served(teacher):
+                name = teacher
+            elif name is None and hasattr(teacher, "config"):
+                name = get_config_model_id(teacher.config)
+            if not name:
+                raise ValueError(
+                    "teacher_tokenizer_mode 'cross' needs the teacher's tokenizer: set teacher_tokenizer_name_or_path "
+                    "to the teacher's path or Hub id (for a served teacher, the served model's), or pass "
+                    "teacher_processing_class."
+                )
+            tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        ByteVocabulary.of(tokenizer).check_lossless(role="teacher" if route == "teacher" else f"teacher {route!r}")
+        tokenizers[route] = tokenizer
+    return tokenizers
 
 
 def _served_topk(args) -> int:
@@ -137,24 +142,33 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str,
     return teacher
 
 
+def teacher_sources(teacher_model, args) -> dict:
+    """name -> what the user gave for each teacher (a model, a path/Hub id, server URLs): "teacher" for a single one,
+    the routed names for `teachers`; empty for the reference and student-base teachers."""
+    teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
+    if args.teacher_server_url:
+        return {"teacher": args.teacher_server_url}
+    if teacher_model is not None:
+        return {"teacher": teacher_model}
+    return dict(args.teachers or {})
+
+
 def load_teachers(model, teacher_model, args, *, student_name, student_tokenizer, teacher_tokenizer) -> dict:
     """name -> loaded local teacher model or connected server client, checked against the student. Empty for the
-    reference and student-base teachers, which are the student's own weights."""
-    teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
-    sources = dict(args.teachers or {})
-    if args.teacher_server_url:
-        sources = {"teacher": args.teacher_server_url}
-    elif teacher_model is not None:
-        sources = {"teacher": teacher_model}
+    reference and student-base teachers, which are the student's own weights. `teacher_tokenizer`: the user's
+    teacher tokenizer (same mode), or each teacher's by name (`load_cross_tokenizers`, cross mode)."""
+    cross = args.teacher_tokenizer_mode == "cross"
+    sources = teacher_sources(teacher_model, args)
     for name, source in sources.items():
+        tokenizer = teacher_tokenizer[name] if cross else teacher_tokenizer
         if is_served(source):
             sources[name] = connect_served_teacher(
                 source, args, student_tokenizer=student_tokenizer, student_name=student_name,
-                teacher_tokenizer=teacher_tokenizer if args.teacher_tokenizer_mode == "cross" else None,
+                teacher_tokenizer=tokenizer if cross else None,
             )
         else:
             sources[name] = load_local_teacher(
                 source, args, student=model, student_name=student_name, student_tokenizer=student_tokenizer,
-                teacher_tokenizer=teacher_tokenizer,
+                teacher_tokenizer=tokenizer,
             )
     return sources

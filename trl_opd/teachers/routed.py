@@ -10,7 +10,8 @@ from .base import TeacherScorer, TeacherScores
 
 
 class RoutedTeacher:
-    """Scores each row with `scorers[routes[row]]`, local and served teachers alike, and reassembles the batch.
+    """Scores each row with `scorers[routes[row]]`, local and served teachers alike (each wrapped for its own
+    tokenizer in cross mode), and reassembles the batch.
 
     A statistic (argmax agreement, entropy) is returned only if every teacher that scored a row provides it.
 
@@ -28,7 +29,9 @@ class RoutedTeacher:
         self.collective = collective
         self.max_over_ranks = max_over_ranks
 
-    def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, routes: list[str]) -> TeacherScores:
+    def score(self, *batch, routes: list[str]) -> TeacherScores:
+        """`batch` is what each scorer takes, one row per route: tensors (rows first) or lists (a cross-tokenizer
+        teacher's prompts); every field of the scores that each teacher gives is reassembled in the batch's order."""
         unknown = sorted(set(routes) - set(self.scorers))
         if unknown:
             row = next(i for i, route in enumerate(routes) if route in unknown)
@@ -36,10 +39,8 @@ class RoutedTeacher:
                 f"Row {row} of the batch is routed to teacher {unknown[0]!r}, which is not among the configured "
                 f"teachers {sorted(self.scorers)}."
             )
-        logps = torch.zeros(completion_ids.shape, device=completion_ids.device)
-        is_top1 = torch.zeros(completion_ids.shape, dtype=torch.bool, device=completion_ids.device)
-        entropy = torch.zeros(completion_ids.shape, device=completion_ids.device)
-        complete = {"is_top1": True, "entropy": True}
+        shape, device = batch[-1].shape, batch[-1].device  # (B, T): the completion (or action) mask
+        pieces: dict[str, list | None] = {}  # field -> (rows, values) per teacher; None once one cannot tell
         for name, scorer in self.scorers.items():  # the same order on every rank
             own = [i for i, route in enumerate(routes) if route == name]
             scored = own
@@ -47,18 +48,27 @@ class RoutedTeacher:
                 scored = own + [0] * (self.max_over_ranks(len(own)) - len(own))  # dummy rows, dropped below
             if not scored:
                 continue
-            index = torch.tensor(scored, dtype=torch.long, device=completion_ids.device)
-            scores = scorer.score(prompt_ids[index], prompt_mask[index], completion_ids[index], completion_mask[index])
-            rows, n = index[: len(own)], len(own)
-            logps[rows] = scores.logps[:n].to(logps.dtype)
-            for field, target in (("is_top1", is_top1), ("entropy", entropy)):
+            index = torch.tensor(scored, dtype=torch.long, device=device)
+            scores = scorer.score(*(part[index] if isinstance(part, torch.Tensor) else [part[i] for i in scored]
+                                    for part in batch))
+            for field in _ROW_FIELDS if own else ():
                 value = getattr(scores, field)
                 if value is None:
-                    complete[field] = False
-                else:
-                    target[rows] = value[:n].to(target.dtype)
-        return TeacherScores(
-            logps=logps,
-            is_top1=is_top1 if complete["is_top1"] else None,
-            entropy=entropy if complete["entropy"] else None,
-        )
+                    pieces[field] = None
+                elif pieces.setdefault(field, []) is not None:
+                    pieces[field].append((index[: len(own)], value[: len(own)]))
+
+        def assembled(field: str) -> torch.Tensor | None:
+            if not pieces.get(field):
+                return None
+            first = pieces[field][0][1]
+            out = torch.zeros(shape, dtype=torch.float32 if first.is_floating_point() else first.dtype, device=device)
+            for rows, values in pieces[field]:
+                out[rows] = values.to(out.dtype)
+            return out
+
+        return TeacherScores(**{field: assembled(field) for field in _ROW_FIELDS})
+
+
+# The (B, T) fields of TeacherScores a routed batch carries (the dense estimators' are refused for routed teachers)
+_ROW_FIELDS = ("logps", "is_top1", "entropy", "chunk_ends", "aligned", "text_chunk_ends")
