@@ -12,11 +12,16 @@ Then, for the served teacher, one batch's time split into its stages, each timed
 - server, log-probs: the request as the scorer sends it, until its whole answer is read (so: the above, plus the
   server's log-prob work, its JSON encoding and the transfer);
 - decode: the answer's JSON into Python objects, on the client;
-- read: the scorer's reading of those objects into tensors, with its checks.
+- read: the scorer's reading of those objects into tensors, with its checks;
+- /opd/score, 2 tokens: the compact endpoint on as many sequences of 2 tokens each, the fixed cost of a request of
+  that many sequences (HTTP, one engine request per sequence, the engine's steps) with almost no model compute.
 
 Starts its own server through `trl-opd serve-teacher` with vLLM's interpreter (`make test` builds `.venv-vllm`).
+The teacher is the tiny one of the test suite unless `--teacher` names a model directory: with a real model the
+model's own compute is most of the time, with the tiny one the fixed cost of a request is.
 
     .venv/bin/python benchmarks/teacher_throughput.py [--lengths 24 256 1024] [--topk 0 5 20] [--json PATH]
+    .venv/bin/python benchmarks/teacher_throughput.py --teacher DIR --lengths 256 --topk 0 20 --repeats 3
 """
 
 from __future__ import annotations
@@ -75,7 +80,10 @@ def served_stages(teacher, batch, repeats: int) -> dict[str, float]:
             _read_entries(sequence_entries, prompts[i], completions[i], index=i, url=url, topk=teacher.topk)
 
     compact_content = post("/opd/score", compact)
+    floor = json.dumps({"sequences": [sequence[:2] for sequence in sequences], "score_from": [1] * len(sequences),
+                        "topk": teacher.topk}).encode()
     return {
+        "compact_floor": timed(lambda: post("/opd/score", floor), repeats),
         "build": timed(lambda: json.dumps(teacher._completion_payload(url, sequences)).encode(), repeats),
         "server_bare": timed(lambda: post("/v1/completions", bare), repeats),
         "server": timed(lambda: post("/v1/completions", body), repeats),
@@ -90,6 +98,8 @@ def served_stages(teacher, batch, repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", default="artifacts/tiny")
+    parser.add_argument("--teacher", type=Path, help="a model directory to serve and score with, instead of the tiny "
+                        "teacher (e.g. SmolLM2-135M-Instruct from ../shared/real-models.sh)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--lengths", type=int, nargs="+", default=[24, 256, 1024])
     parser.add_argument("--topk", type=int, nargs="+", default=[0, 5, 20])
@@ -108,9 +118,12 @@ def main() -> None:
     from trl_opd.testing import TeacherServerProcess, make_tiny
 
     torch.set_num_threads(os.cpu_count())
-    tiny = make_tiny(args.tiny)
-    tokenizer = AutoTokenizer.from_pretrained(tiny / "student")
-    model = freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher"))
+    teacher_dir = args.teacher or make_tiny(args.tiny) / "teacher"
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    model = freeze_teacher(AutoModelForCausalLM.from_pretrained(teacher_dir))
+    config = model.config
+    described = (f"{teacher_dir.name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+                 f"{config.vocab_size:,}-token vocabulary)")
     g = torch.Generator().manual_seed(0)
     batches = {}
     for length in args.lengths:
@@ -124,14 +137,17 @@ def main() -> None:
         # the tiny teacher was built for 512 positions: a copy that allows the longest sequence (its rotary positions
         # go on; what it says past 512 does not matter to a throughput measurement)
         max_model_len = PROMPT_TOKENS + max(args.lengths) + 1
-        model.config.max_position_embeddings = max(model.config.max_position_embeddings, max_model_len)
-        model.save_pretrained(f"{scratch}/teacher")
-        AutoTokenizer.from_pretrained(tiny / "teacher").save_pretrained(f"{scratch}/teacher")
-        with TeacherServerProcess(f"{scratch}/teacher", log, python, max_model_len=max_model_len) as server:
+        served_dir = teacher_dir
+        if model.config.max_position_embeddings < max_model_len:
+            model.config.max_position_embeddings = max_model_len
+            served_dir = f"{scratch}/teacher"
+            model.save_pretrained(served_dir)
+            tokenizer.save_pretrained(served_dir)
+        with TeacherServerProcess(served_dir, log, python, max_model_len=max_model_len) as server:
             for k in args.topk:
                 local = LocalTeacher(model, batch_size=args.rows, topk=k)
                 served = VLLMServerTeacher(server.url, batch_size=args.rows, topk=k)
-                served.connect(tokenizer, student_name="tiny student")
+                served.connect(tokenizer, student_name="the teacher's own tokenizer")
                 for length, batch in batches.items():
                     tokens = args.rows * length
                     local_seconds = timed(lambda: local.score(*batch), args.repeats)  # noqa: B023
@@ -147,9 +163,10 @@ def main() -> None:
 
     machine, date = describe_machine(), time.strftime("%Y-%m-%d")
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine, "date": date, "rows": args.rows, "repeats": args.repeats,
-                                         "prompt_tokens": PROMPT_TOKENS, "results": rows}, indent=1) + "\n")
-    print(f"\nCompletion tokens scored per second, tiny teacher (hidden 96, 2 layers), {args.rows} sequences with a "
+        args.json.write_text(json.dumps({"machine": machine, "date": date, "teacher": described, "rows": args.rows,
+                                         "repeats": args.repeats, "prompt_tokens": PROMPT_TOKENS, "results": rows},
+                                        indent=1) + "\n")
+    print(f"\nCompletion tokens scored per second, teacher {described}, {args.rows} sequences with a "
           f"{PROMPT_TOKENS}-token prompt; {machine}, {date}; medians of {args.repeats} repeats; server and scorer "
           "share the machine\n")
     print("| completion tokens | top-k entries | local teacher | server, stock /v1/completions | server, /opd/score | "
@@ -161,13 +178,14 @@ def main() -> None:
               f"| {row['served_tok_s'] / row['local_tok_s']:.2f}x |")
     print("\nWhere one served batch's time goes, milliseconds (medians; each stage timed on its own)\n")
     print("| completion tokens | top-k | server, no log-probs | stock: server | decode | read | answer MB | "
-          "scored in | /opd/score: server | answer MB | scored in |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "scored in | /opd/score: 2 tokens | server | answer MB | scored in |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         ms = {name: 1e3 * row[name] for name in ("server_bare", "server", "decode", "read", "stock_seconds",
-                                                 "compact_server", "served_seconds")}
+                                                 "compact_floor", "compact_server", "served_seconds")}
         print(f"| {row['length']} | {row['topk']} | {ms['server_bare']:.1f} | {ms['server']:.1f} | {ms['decode']:.1f} "
-              f"| {ms['read']:.1f} | {row['answer_mb']:.2f} | {ms['stock_seconds']:.1f} | {ms['compact_server']:.1f} "
+              f"| {ms['read']:.1f} | {row['answer_mb']:.2f} | {ms['stock_seconds']:.1f} | {ms['compact_floor']:.1f} "
+              f"| {ms['compact_server']:.1f} "
               f"| {row['compact_answer_mb']:.2f} | {ms['served_seconds']:.1f} |")
 
 
