@@ -249,6 +249,51 @@ def test_observations_never_enter_a_distilled_chunk(tokenizer):
     assert OTHER_SPECIAL_TOKENS[1] == "<|end|>"
 
 
+def test_observations_are_read_through_the_teachers_own_chat_template(tokenizer):
+    # the teacher reads what comes between two student turns as its template renders the messages: its own role
+    # markers, never the student's; its end of turn is the student's own where the student sampled one
+    teacher_tokenizer = other_family_tokenizer()
+    eos = tokenizer.eos_token_id
+    cross = CrossTokenizerTeacher(None, student_tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
+                                  stop_ids=[eos])
+    prompt = [{"role": "user", "content": "What is 12 plus 7?"}]
+    messages = [{"role": "assistant", "content": "12 plus 7"}, {"role": "tool", "content": "19 café"},
+                {"role": "assistant", "content": "is 19."}]
+
+    def student(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def teacher(text):
+        return teacher_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    observation = student("\n<|im_start|>tool\n19 café<|im_end|>\n<|im_start|>assistant\n")  # the student's way
+    answer = student("is 19.") + [eos]
+    end = teacher_tokenizer.convert_tokens_to_ids("<|end|>")
+    rendered = teacher("\n<|tool|>\n19 café<|end|>\n<|assistant|>\n")  # OTHER_CHAT_TEMPLATE's, by hand
+    observations = cross.observations(prompt, messages)
+    assert observations == [[end, *rendered]]
+    for stopped in (True, False):  # the student sampled its end of turn, or code closed a turn cut at the limit
+        turn = student("12 plus 7") + ([eos] if stopped else [])
+        closing = [] if stopped else [eos]
+        ids = turn + closing + observation + answer
+        action = [1] * len(turn) + [0] * (len(closing) + len(observation)) + [1] * len(answer)
+        teacher_ids, teacher_chunk, student_chunk = cross.translate(ids, action, observations)
+        # sampled: the teacher's tokens of the same text, each end of turn its own; context: its own rendering
+        assert teacher_ids == teacher("12 plus 7") + [end] + rendered + teacher("is 19.") + [end]
+        assert [token for token, chunk in zip(teacher_ids, teacher_chunk, strict=True) if chunk < 0] == (
+            rendered if stopped else [end, *rendered])
+        assert all((chunk >= 0) == bool(a) for chunk, a in zip(student_chunk, action, strict=True))
+        assert "<|im_start|>" not in teacher_tokenizer.decode(teacher_ids)
+        assert cross.row_observations(prompt, messages, action) == observations
+        # a chat prompt's observations need the messages; a text prompt's are read as text
+        with pytest.raises(ValueError, match="Row 3: the completion has observations between the student's turns"):
+            cross.row_observations(prompt, None, action, row=3)
+        assert cross.row_observations("What is 12 plus 7?", None, action) is None
+        with pytest.raises(ValueError, match="Row 2: the completion has 1 runs of context between runs of sampled "
+                                             "tokens, but its messages have 0 places"):
+            cross.row_observations(prompt, messages[:1], action, row=2)
+
+
 def test_chunk_advantages_go_to_every_token_of_the_chunk():
     teacher = torch.tensor([[0.0, -3.0, 0.0, 0.0, -1.0, 0.0]])  # chunk log-probs on each chunk's last token
     old = torch.tensor([[-0.5, -1.0, -0.2, -0.3, -0.4, -9.0]])
@@ -392,6 +437,26 @@ def test_check_shows_both_tokenisations_of_a_rollout_chunk_by_chunk(tiny, tiny_o
     assert len(student) == len(teacher) and student.count("|") == teacher.count("|")  # the columns line up
 
 
+def test_check_shows_a_tool_rollout_with_the_teachers_own_observations(tiny_agent, tiny_other_teacher, tmp_path,
+                                                                        capsys):
+    from trl_opd import cli
+
+    argv = ["check", "--config", "recipes/agent_tools_cpu.yaml", "--model_name_or_path", str(tiny_agent / "student"),
+            "--teacher_model_name_or_path", str(tiny_other_teacher), "--teacher_tokenizer_mode", "cross",
+            "--dataset_name", str(tiny_agent / "train.jsonl"), "--output_dir", str(tmp_path / "unused")]
+    torch.manual_seed(0)
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_code.value.code == 0
+    table = out.split("one column per chunk")[1]
+    teacher = "".join(line.split("|", 1)[1] for line in table.splitlines() if line.startswith("teacher |"))
+    student = "".join(line.split("|", 1)[1] for line in table.splitlines() if line.startswith("student |"))
+    # the rollout shown is a multi-turn one: the student's tool result markers on its side, the teacher's on its own
+    assert "|⟦\\n<|im_start|>tool\\n" in student
+    assert "|⟦\\n<|tool|>\\n" in teacher and "<|im_start|>tool" not in teacher
+
+
 def test_the_held_out_text_kl_of_a_model_against_itself_is_zero(tiny, tokenizer, prompts):
     from trl_opd.evaluation import heldout_text_reverse_kl
 
@@ -461,3 +526,46 @@ def test_check_shows_the_routed_teacher_of_the_first_row(tiny, tiny_other_teache
     assert exit_code.value.code == 0
     assert "first prompt, teacher's chat template (other): '<|user|>\\nWhat is" in out  # the other family's template
     assert "the same rollout in both tokenisations (teacher " in out
+
+
+@pytest.mark.parametrize("family", ["same", "other"])
+def test_the_tool_loop_s_observations_reach_the_teacher_through_its_own_template(tiny_agent, tiny_other_teacher,
+                                                                                 make_config, family):
+    # GRPO's tool loop: the teacher receives each tool result rendered by its own chat template. With the student's
+    # own template that is exactly the ids the tool loop appended; with another family's, its role markers.
+    from datasets import load_dataset
+
+    from trl_opd.envs import ARITHMETIC_TOOLS
+
+    teacher = tiny_agent / "teacher" if family == "same" else tiny_other_teacher
+    prompts = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train")
+    config = make_config(max_completion_length=128, teacher_tokenizer_mode="cross", max_tool_calling_iterations=3)
+    trainer = OPDTrainer(model=str(tiny_agent / "student"), teacher_model=str(teacher), train_dataset=prompts,
+                         tools=ARITHMETIC_TOOLS, args=config)
+    seen, score = [], trainer.teacher.scorer.score
+
+    def record(prompt_ids, prompt_mask, completion_ids, completion_mask):
+        seen.extend(ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask, strict=True))
+        return score(prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+    trainer.teacher.scorer.score = record
+    torch.manual_seed(0)
+    output = trainer._generate_and_score_completions([dict(prompts[i]) for i in range(8)])
+    teacher_tokenizer = trainer.teacher.teacher_tokenizer
+    called = 0
+    for row, messages in enumerate(trainer._student_completions):
+        results = [message["content"] for k, message in enumerate(messages)  # those a student turn follows
+                   if message["role"] == "tool" and any(m["role"] == "assistant" for m in messages[k:])]
+        length = int(output["completion_mask"][row].sum())
+        ids, sampled = output["completion_ids"][row, :length].tolist(), output["sampled_mask"][row, :length].tolist()
+        teacher_ids = seen[row]
+        last = max(k for k, flag in enumerate(sampled) if flag)  # context after it changes no score: not sent
+        if family == "same":  # the tool loop's own observation ids, token for token
+            assert teacher_ids == ids[: last + 1]
+        else:
+            text = teacher_tokenizer.decode(teacher_ids)
+            assert "<|im_start|>" not in text
+            for result in results:
+                assert f"<|end|>\n<|tool|>\n{result}<|end|>\n<|assistant|>\n" in text
+        called += bool(results)
+    assert called > 0, "no rollout called a tool"

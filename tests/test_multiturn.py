@@ -9,7 +9,8 @@ import torch
 from trl_opd import OPDTrainer
 
 # What code appends between two student turns: the observation message and the next assistant header
-OBSERVATION = "\n<|im_start|>user\nObservation: 7<|im_end|>\n<|im_start|>assistant\n"
+OBSERVED = "Observation: 7"
+OBSERVATION = f"\n<|im_start|>user\n{OBSERVED}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def scripted_rollout(prompts, trainer):
@@ -29,21 +30,26 @@ def scripted_rollout(prompts, trainer):
                                  eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
         return out[0, len(ids):].tolist()
 
-    result = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "action_mask": []}
+    def said(ids: list[int]) -> dict:
+        return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+
+    result = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "action_mask": [], "completion_messages": []}
     for i, prompt in enumerate(prompts):
         prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
         first = turn(prompt_ids, 6)
         if i % 2:
-            completion, mask = first, None
+            completion, mask, messages = first, None, [said(first)]
         else:
             closing = [] if first[-1] == eos else [eos]  # appended by code, not sampled
             context = first + closing + observation
             second = turn(prompt_ids + context, 6)
             completion = context + second
             mask = [1] * len(first) + [0] * (len(closing) + len(observation)) + [1] * len(second)
+            messages = [said(first), {"role": "user", "content": OBSERVED}, said(second)]
         result["prompt_ids"].append(prompt_ids)
         result["completion_ids"].append(completion)
         result["action_mask"].append(mask)
+        result["completion_messages"].append(messages)
     return result
 
 
@@ -294,24 +300,47 @@ def test_a_teacher_only_prompt_needs_a_rollout_that_renders_prompts_like_the_tra
         assert seen == [list(ids) for ids in expected]
 
 
+def _without_messages(prompts, trainer):
+    """`scripted_rollout` without the completions' chat messages."""
+    result = scripted_rollout(prompts, trainer)
+    del result["completion_messages"]
+    return result
+
+
 def test_a_cross_tokenizer_teacher_needs_a_rollout_that_renders_prompts_like_the_trainer(tiny, tiny_other_teacher,
                                                                                           prompts, make_config):
     # a teacher with another tokenizer reads the prompt messages through its own template: that is the prompt the
-    # student read only if the rollout rendered the messages as the trainer does
+    # student read only if the rollout rendered the messages as the trainer does; it reads the observations between
+    # turns through its template too, from the messages the rollout returns
     from transformers import AutoTokenizer
 
-    rows = [dict(prompts[i]) for i in range(4)]
     teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
-    for rollout, fails in ((scripted_rollout, False), (_own_rendering, True)):
+    refusals = {_own_rendering: "Row 0: the rollout function's prompt_ids are not the student's",
+                _without_messages: "Row 0: the completion has observations between the student's turns"}
+    for rollout in (scripted_rollout, *refusals):
         trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny_other_teacher), train_dataset=prompts,
                              args=make_config(max_completion_length=64, teacher_tokenizer_mode="cross"),
                              rollout_func=rollout)
         seen = _recorded_teacher_prompts(trainer, trainer.teacher.scorer)
+        completions, score = [], trainer.teacher.scorer.score
+
+        def record(prompt_ids, prompt_mask, completion_ids, completion_mask, score=score, completions=completions):
+            completions.extend(ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask,
+                                                                               strict=True))
+            return score(prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+        trainer.teacher.scorer.score = record
+        rows = [dict(prompts[i]) for i in range(4)]  # GRPO adds a rollout's fields to them
         torch.manual_seed(0)
-        if fails:
-            with pytest.raises(ValueError, match="Row 0: the rollout function's prompt_ids are not the student's"):
+        if rollout in refusals:
+            with pytest.raises(ValueError, match=refusals[rollout]):
                 trainer._generate_and_score_completions(rows)
             continue
         trainer._generate_and_score_completions(rows)
         assert seen == [teacher_tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
                         for row in rows]
+        observed = f"\n<|user|>\n{OBSERVED}<|end|>\n<|assistant|>\n"  # the teacher's template, not the student's
+        for i, ids in enumerate(completions):
+            text = teacher_tokenizer.decode(ids)
+            assert f"<|im_start|>user\n{OBSERVED}" not in text
+            assert (observed in text) == (i % 2 == 0)  # even rows are two turns around the observation

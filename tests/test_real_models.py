@@ -74,6 +74,35 @@ def test_tokenizer_check_passes_for_the_qwen_pair_and_refuses_smollm2_against_qw
         check_tokenizers_compatible(smollm2, student, student_name="SmolLM2", teacher_name="Qwen")
 
 
+@needs_real_models
+def test_a_qwen_teacher_reads_a_smollm2_students_tool_result_through_qwens_template():
+    # SmolLM2 writes a tool result as a `tool` turn; Qwen2.5's template wraps it in a user turn's <tool_response>:
+    # that is what the teacher reads between the student's turns, while the turns themselves are the sampled text
+    from transformers import AutoTokenizer
+
+    from trl_opd.teachers.cross import CrossTokenizerTeacher
+
+    student, teacher = (AutoTokenizer.from_pretrained(_model(name)) for name in (
+        "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"))
+    cross = CrossTokenizerTeacher(None, student_tokenizer=student, teacher_tokenizer=teacher,
+                                  stop_ids=[student.eos_token_id])
+    prompt = [{"role": "user", "content": "What is (3 + 5) * 7?"}]
+    call = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 5}}</tool_call>'
+    messages = [{"role": "assistant", "content": call}, {"role": "tool", "name": "add", "content": "8"},
+                {"role": "assistant", "content": "The answer is 56."}]
+    turns = [student(text, add_special_tokens=False)["input_ids"] + [student.eos_token_id]
+             for text in (call, "The answer is 56.")]
+    between = student("\n<|im_start|>tool\n8<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    ids = turns[0] + between + turns[1]
+    action = [1] * len(turns[0]) + [0] * len(between) + [1] * len(turns[1])
+    teacher_ids, teacher_chunk, student_chunk = cross.translate(ids, action, cross.row_observations(
+        prompt, messages, action))
+    context = teacher.decode([token for token, chunk in zip(teacher_ids, teacher_chunk, strict=True) if chunk < 0])
+    assert context == "\n<|im_start|>user\n<tool_response>\n8\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert teacher.decode(teacher_ids) == f"{call}<|im_end|>{context}The answer is 56.<|im_end|>"
+    assert all((chunk >= 0) == bool(flag) for chunk, flag in zip(student_chunk, action, strict=True))
+
+
 def test_code_task_answers_are_what_python_prints_and_no_heldout_program_is_trained_on(tmp_path):
     # runs without the real models: the task itself
     import contextlib

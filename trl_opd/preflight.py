@@ -88,12 +88,15 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
     if cross:
         length = int(output["completion_mask"][row].sum())
         ids = output["completion_ids"][row, :length].tolist()
-        sampled = output["action_mask"][row, :length].tolist()  # the distilled tokens
+        sampled = output["sampled_mask"][row, :length].tolist()  # the student's turns, observations between them
         route = batch[row][routed] if routed else None
         scorer = trainer.teacher.scorers[route] if routed else trainer.teacher
+        observations = scorer.row_observations(trainer._teacher_prompt_messages(batch, output)[row],
+                                               trainer._completion_messages(batch)[row], sampled, row=row)
         echo(f"the same rollout in both tokenisations{f' (teacher {route})' if routed else ''}, one column per chunk "
              "(each chunk's teacher log-prob is compared with the sum of its student tokens'; ⟦...⟧ is not "
-             "distilled):\n" + scorer.side_by_side(ids, sampled))
+             "distilled; between turns the teacher reads its own rendering of the observations):\n"
+             + scorer.side_by_side(ids, sampled, observations))
 
     kl = reference["opd/reverse_kl"]
     ok = abs(kl) <= ZERO_KL_TOLERANCE

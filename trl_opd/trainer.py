@@ -244,7 +244,9 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
 
     def _generate(self, prompts: list):
         self._student_prompts = prompts  # as the student saw them: an environment's reset() observation included
-        return super()._generate(prompts)
+        generated = super()._generate(prompts)
+        self._student_completions = generated[3]  # as chat messages: the tool loop's turns and tool results
+        return generated
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         if self._overlapping():  # the batch was generated and sent to the teacher one step ago (`overlap`)
@@ -323,6 +325,7 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
         if chunks:
             self._metrics[mode]["opd/aligned_chunk_tokens_mean"].append(aligned_count / chunks)
         self._metrics[mode]["opd/unaligned_token_fraction"].append(1.0 - aligned_count / max(sampled_count, 1.0))
+        output["sampled_mask"] = sampled  # what the student sampled, aligned or not (`trl-opd check` shows it)
         output["action_mask"] = output["tool_mask"] = mask
         output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         return mask
@@ -335,9 +338,9 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             scores = TeacherScores(logps=output["ref_per_token_logps"])  # GRPO computed them for its KL term
             return lambda: scores
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        if self.args.teacher_tokenizer_mode == "cross":  # the teacher renders the prompts with its own template
+        if self.args.teacher_tokenizer_mode == "cross":  # the teacher renders prompts and observations its own way
             batch = (self._teacher_prompt_messages(inputs, output), completion_ids, completion_mask,
-                     output["action_mask"])
+                     output["action_mask"], self._completion_messages(inputs))
         else:
             batch = (*self._teacher_prompts(inputs, output), completion_ids, completion_mask)
         if self.args.teachers:
@@ -365,6 +368,13 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             self._check_rollout_prompts(student_prompts, output)
         return [teacher_prompt(row, seen, column=column, system=system)
                 for row, seen in zip(inputs, student_prompts, strict=True)]
+
+    def _completion_messages(self, inputs) -> list[list[dict] | None]:
+        """Each row's completion as chat messages, for a teacher that renders the observations between the student's
+        turns with its own template: a rollout function's `completion_messages`, else the tool loop's messages (its
+        parsed turns and tool results), else None."""
+        loop = self._student_completions if self.tools else [None] * len(inputs)
+        return [row.get("completion_messages", messages) for row, messages in zip(inputs, loop, strict=True)]
 
     def _check_rollout_prompts(self, student_prompts, output) -> None:
         """The teacher's own prompt (a teacher-only prompt, or a cross-tokenizer teacher's rendering) is built from the

@@ -19,9 +19,12 @@ What is scored:
 - Each run of tokens the student sampled is its own text: up to each stop token (the student's end of turn), which
   becomes the teacher's end of turn (the token its template closes an assistant turn with), a chunk of one token on
   each side.
-- Runs the student did not sample (multi-turn observations and the template tokens around them) are context: the
-  teacher reads their text, tokenised its way (special tokens it shares, such as ChatML's, are read as such), and no
-  chunk is made of them.
+- Runs the student did not sample are context, and no chunk is made of them. Between two of the student's turns
+  (multi-turn observations and the template tokens around them) the teacher reads its own rendering of the
+  observations: the completion's messages through its chat template (`observations`), from its end of turn to its
+  next assistant header. Before the first sampled token (a prefill of the turn) and where a chat prompt's completion
+  comes without its messages (a text prompt), it reads the context's text, tokenised its way. Context after the last
+  sampled token changes no score and is not sent.
 - Bytes that spell no character (a completion cut inside a UTF-8 character, sampled bytes that form none) are read
   by the teacher as its single-byte tokens, which a byte-level vocabulary has for every byte. A teacher without a
   token for such a byte, or whose tokenizer changes the text (a normalizer), reads the run only up to there: its
@@ -73,6 +76,11 @@ def _runs(flags: list[int]):
         if end == len(flags) or flags[end] != flags[start]:
             yield start, end, flags[start]
             start = end
+
+
+def _between(runs: list) -> list[int]:
+    """The indices of the context runs (flag 0) with a run of sampled tokens on each side."""
+    return [n for n, (_, _, sampled) in enumerate(runs) if not sampled and 0 < n < len(runs) - 1]
 
 
 def _anchors(pieces: list[bytes], teacher_pieces: list[bytes], chunk: list[int], *, offset: int) -> list:
@@ -135,23 +143,60 @@ class CrossTokenizerTeacher:
             **self.chat_template_kwargs,
         )["input_ids"]
 
-    def translate(self, ids: list[int], action: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """One completion (its tokens, without padding) in the teacher's tokens.
+    def observations(self, prompt, messages: list[dict]) -> list[list[int]]:
+        """The teacher's own rendering of what follows each of the student's turns that another turn follows: its
+        end-of-turn token, the observations (tool results, user messages: the messages between the two assistant
+        messages, possibly none) and its next assistant header, as teacher ids.
+
+        `messages` is the completion as chat messages: each student turn an assistant message (its content and any
+        parsed `tool_calls`, which some templates need to render a tool's reply), the observations between them. The
+        turn is rendered with a marker for its content, after the prompt and the turns before it, and the teacher
+        reads from the first end of turn after the marker: its own syntax for the student's tool calls, which the
+        student wrote its way in the sampled text, is never read.
+        """
+        turns = [k for k, message in enumerate(messages) if message["role"] == "assistant"]
+        end_of_turn = self.teacher_tokenizer.decode([self.end_of_turn])
+        rendered = []
+        for k, following in itertools.pairwise(turns):
+            turn = {**messages[k], "content": _MARKER}
+            text = self.teacher_tokenizer.apply_chat_template(
+                [*prompt, *messages[:k], turn, *messages[k + 1 : following]], tools=self.tools,
+                add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs,
+            )
+            after = text.rindex(_MARKER) + len(_MARKER)
+            closed = text.find(end_of_turn, after)
+            rendered.append(self.teacher.encode(text[closed if closed >= 0 else after:]))
+        return rendered
+
+    def translate(self, ids: list[int], action: list[int], observations: list[list[int]] | None = None,
+                  ) -> tuple[list[int], list[int], list[int]]:
+        """One completion (its tokens, without padding) in the teacher's tokens. `observations`: the teacher's
+        rendering of the context between each two runs of sampled tokens (`observations()`); None reads that
+        context's text.
 
         Returns the teacher's completion ids, the chunk index of each of them and of each student token (-1: in no
         chunk, i.e. context or past the aligned text).
         """
-        return self._translate(ids, action)[:3]
+        return self._translate(ids, action, observations)[:3]
 
-    def _translate(self, ids: list[int], action: list[int]):
+    def _translate(self, ids: list[int], action: list[int], observations: list[list[int]] | None = None):
         """`translate`, plus each student token's anchor (see `_anchors`; an end of turn: its teacher position and no
         text), or None where not aligned."""
         teacher_ids, teacher_chunk, student_chunk = [], [], [-1] * len(ids)
         anchors = [None] * len(ids)
         chunks = 0
-        for start, end, sampled in _runs(action):
+        runs = list(_runs(action))
+        rendered = dict(zip(_between(runs), observations, strict=True)) if observations is not None else {}
+        for n, (start, end, sampled) in enumerate(runs):
             if not sampled:  # context: read by the teacher, never distilled
-                context = self.teacher.encode_bytes(b"".join(self.student(ids[start:end])))
+                if 0 < n == len(runs) - 1:  # after the last sampled token: it changes no score, so is not sent
+                    continue
+                if n in rendered:  # the teacher's own; its end of turn is the student's if the student sampled it
+                    context = rendered[n]
+                    if ids[start - 1] in self.stop_ids and context[:1] == [self.end_of_turn]:
+                        context = context[1:]
+                else:
+                    context = self.teacher.encode_bytes(b"".join(self.student(ids[start:end])))
                 teacher_ids += context
                 teacher_chunk += [-1] * len(context)
                 continue
@@ -177,10 +222,11 @@ class CrossTokenizerTeacher:
                 part = k + 1
         return teacher_ids, teacher_chunk, student_chunk, anchors
 
-    def side_by_side(self, ids: list[int], action: list[int], *, width: int = 110) -> str:
+    def side_by_side(self, ids: list[int], action: list[int], observations: list[list[int]] | None = None, *,
+                     width: int = 110) -> str:
         """One completion in both tokenisations, a column per chunk (`·` between the tokens inside it) and ⟦...⟧
         around what is not distilled (context, or text past the aligned part), wrapped at `width` characters."""
-        teacher_ids, teacher_chunk, student_chunk = self.translate(ids, action)
+        teacher_ids, teacher_chunk, student_chunk = self.translate(ids, action, observations)
 
         def segments(vocabulary, token_ids, chunks):
             grouped = []
@@ -211,13 +257,44 @@ class CrossTokenizerTeacher:
             teacher_line += teacher_text.ljust(size) + "|"
         return "\n".join(lines + [student_line, teacher_line])
 
+    def row_observations(self, prompt, messages: list[dict] | None, action: list[int], *, row: int = 0):
+        """`observations(prompt, messages)` for a chat prompt, checked against the completion's runs of context
+        between sampled runs (`action`); None for a text prompt (it has no template). A chat prompt's completion with
+        such context needs its messages."""
+        if isinstance(prompt, str):
+            return None
+        between = len(_between(list(_runs(action))))
+        if messages is None:
+            if between:
+                raise ValueError(
+                    f"Row {row}: the completion has observations between the student's turns, and a teacher with "
+                    "another tokenizer reads them through its own chat template, from the completion's messages. A "
+                    "rollout function must return them as `completion_messages`: per row, one assistant message "
+                    "per student turn and the observations between them (tool or user messages)."
+                )
+            return None
+        observations = self.observations(prompt, messages)
+        if len(observations) != between:
+            raise ValueError(
+                f"Row {row}: the completion has {between} runs of context between runs of sampled tokens, but its "
+                f"messages have {len(observations)} places between two assistant messages: give one assistant "
+                "message per student turn and the observations between them, in the order of the completion."
+            )
+        return observations
+
     @torch.no_grad()
-    def score(self, prompts: list, completion_ids, completion_mask, action_mask) -> TeacherScores:
+    def score(self, prompts: list, completion_ids, completion_mask, action_mask, conversations: list | None = None,
+              ) -> TeacherScores:
         """`prompts` are the rows' prompts as the teacher should read them (chat messages or text); `action_mask`
-        (B, T) marks the tokens the student sampled."""
+        (B, T) marks the tokens the student sampled; `conversations`, each row's completion as chat messages (None:
+        a single turn, or context read as text; see `row_observations`)."""
         device, valid = completion_ids.device, completion_mask.bool()
-        rows = [self._translate(ids[keep].tolist(), action[keep].tolist())
-                for ids, keep, action in zip(completion_ids, valid, action_mask, strict=True)]
+        conversations = [None] * len(prompts) if conversations is None else conversations
+        rows = []
+        for i, (ids, keep, action) in enumerate(zip(completion_ids, valid, action_mask, strict=True)):
+            ids, action = ids[keep].tolist(), action[keep].tolist()
+            observations = self.row_observations(prompts[i], conversations[i], action, row=i)
+            rows.append(self._translate(ids, action, observations))
         pad_id = self.teacher_tokenizer.pad_token_id
         pad_id = self.end_of_turn if pad_id is None else pad_id
         prompt_ids = [torch.tensor(self.prompt_ids(prompt)) for prompt in prompts]

@@ -31,7 +31,8 @@ class RoutedTeacher:
 
     def score(self, *batch, routes: list[str]) -> TeacherScores:
         """`batch` is what each scorer takes, one row per route: tensors (rows first) or lists (a cross-tokenizer
-        teacher's prompts); every field of the scores that each teacher gives is reassembled in the batch's order."""
+        teacher's prompts and messages); every field of the scores that each teacher gives is reassembled in the
+        batch's order."""
         unknown = sorted(set(routes) - set(self.scorers))
         if unknown:
             row = next(i for i, route in enumerate(routes) if route in unknown)
@@ -39,7 +40,8 @@ class RoutedTeacher:
                 f"Row {row} of the batch is routed to teacher {unknown[0]!r}, which is not among the configured "
                 f"teachers {sorted(self.scorers)}."
             )
-        shape, device = batch[-1].shape, batch[-1].device  # (B, T): the completion (or action) mask
+        mask = next(part for part in reversed(batch) if isinstance(part, torch.Tensor))  # the completion/action mask
+        shape, device = mask.shape, mask.device  # (B, T)
         pieces: dict[str, list | None] = {}  # field -> (rows, values) per teacher; None once one cannot tell
         for name, scorer in self.scorers.items():  # the same order on every rank
             own = [i for i, route in enumerate(routes) if route == name]
