@@ -148,18 +148,22 @@ def test_overlapped_served_scoring_under_zero3_trains_like_one_process(teacher_s
     assert [entry["opd/staleness"] for entry in sharded] == [0.0, 1.0, 1.0]
 
 
-def test_routed_local_teachers_under_zero3_with_a_teacher_absent_from_one_rank(tiny, tmp_path):
+@pytest.mark.parametrize("mode", ["same", "cross"])
+def test_routed_local_teachers_under_zero3_with_a_teacher_absent_from_one_rank(tiny, tiny_other_teacher, tmp_path,
+                                                                                mode):
     # 16 rows, one routed to "self": every global batch holds all 16, so one rank scores a "self" row and the other
-    # none, and must still run the same forwards of that sharded teacher (else the collective hangs)
+    # none, and must still run the same forwards of that sharded teacher (else the collective hangs). In cross mode
+    # "expert" is of another family, and the byte credit's head projections are collectives too
     rows = [json.loads(line) for line in (tiny / "train.jsonl").read_text().splitlines()][:16]
     data = tmp_path / "routed.jsonl"
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "teacher": "self" if i == 5 else "expert"}) + "\n"
                             for i, r in enumerate(rows)))
-    teachers = json.dumps({"expert": str(tiny / "teacher"), "self": str(tiny / "student")})
+    expert = tiny / "teacher" if mode == "same" else tiny_other_teacher
+    teachers = json.dumps({"expert": str(expert), "self": str(tiny / "student")})
 
     def args(out):  # no teacher_model_name_or_path ("" unsets the recipe's): the routed teachers instead
-        return [*_args(tiny, out, "--use_peft", "true", "--teachers", teachers, teacher=""),
-                "--dataset_name", str(data)]
+        return [*_args(tiny, out, "--use_peft", "true", "--teachers", teachers, "--teacher_tokenizer_mode", mode,
+                       teacher=""), "--dataset_name", str(data)]
 
     two, one = _train_both_ways(args, tmp_path)
     sharded = _assert_same_training(two, one)
