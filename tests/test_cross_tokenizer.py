@@ -569,3 +569,47 @@ def test_the_tool_loop_s_observations_reach_the_teacher_through_its_own_template
                 assert f"<|end|>\n<|tool|>\n{result}<|end|>\n<|assistant|>\n" in text
         called += bool(results)
     assert called > 0, "no rollout called a tool"
+
+
+class _AddingEnv:
+    """An environment that serves `add` only, beside `ArithmeticToolEnv`'s `add` and `multiply`."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a + b
+
+
+def test_with_several_environments_the_teacher_renders_each_prompt_with_its_own_tools(tiny_agent, make_config):
+    # GRPO renders each row's prompt with its environment's tools; so does the teacher. With the student's own
+    # tokenizer and template, its prompt ids are the student's, row by row
+    from datasets import Dataset, load_dataset
+
+    from trl_opd.envs import ArithmeticToolEnv
+
+    rows = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train").select(range(4))
+    rows = Dataset.from_list([{**row, "environment": "both" if i % 2 else "adding"} for i, row in enumerate(rows)])
+    trainer = OPDTrainer(
+        model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"), train_dataset=rows,
+        environment_factory={"both": ArithmeticToolEnv, "adding": _AddingEnv},
+        args=make_config(max_completion_length=16, max_tool_calling_iterations=1, teacher_tokenizer_mode="cross"),
+    )
+    seen, score = [], trainer.teacher.scorer.score
+
+    def record(prompt_ids, prompt_mask, *rest):
+        seen.extend(ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True))
+        return score(prompt_ids, prompt_mask, *rest)
+
+    trainer.teacher.scorer.score = record
+    output = trainer._generate_and_score_completions([dict(row) for row in rows])
+    student = [ids[mask.bool()].tolist() for ids, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)]
+    assert seen == student
+    assert "multiply" in trainer.processing_class.decode(student[1])
+    assert "multiply" not in trainer.processing_class.decode(student[0])

@@ -92,7 +92,8 @@ def check(script_args, training_args, model_args, *, echo=print) -> dict:
         route = batch[row][routed] if routed else None
         scorer = trainer.teacher.scorers[route] if routed else trainer.teacher
         observations = scorer.row_observations(trainer._teacher_prompt_messages(batch, output)[row],
-                                               trainer._completion_messages(batch)[row], sampled, row=row)
+                                               trainer._completion_messages(batch)[row], sampled, row=row,
+                                               tools=trainer._prompt_tools(len(batch))[row])
         echo(f"the same rollout in both tokenisations{f' (teacher {route})' if routed else ''}, one column per chunk "
              "(each chunk's teacher log-prob is compared with the sum of its student tokens'; ⟦...⟧ is not "
              "distilled; between turns the teacher reads its own rendering of the observations):\n"

@@ -340,7 +340,7 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
         if self.args.teacher_tokenizer_mode == "cross":  # the teacher renders prompts and observations its own way
             batch = (self._teacher_prompt_messages(inputs, output), completion_ids, completion_mask,
-                     output["action_mask"], self._completion_messages(inputs))
+                     output["action_mask"], self._completion_messages(inputs), self._prompt_tools(len(inputs)))
         else:
             batch = (*self._teacher_prompts(inputs, output), completion_ids, completion_mask)
         if self.args.teachers:
@@ -375,6 +375,13 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
         parsed turns and tool results), else None."""
         loop = self._student_completions if self.tools else [None] * len(inputs)
         return [row.get("completion_messages", messages) for row, messages in zip(inputs, loop, strict=True)]
+
+    def _prompt_tools(self, count: int) -> list:
+        """The tools each row's prompt was rendered with: its environment's (GRPO renders each row with its own when
+        there are environments), else the trainer's."""
+        if self.environment_factories is not None:
+            return [self._env_tools[name] for name in self._batch_environments]
+        return [self.tools] * count
 
     def _check_rollout_prompts(self, student_prompts, output) -> None:
         """The teacher's own prompt (a teacher-only prompt, or a cross-tokenizer teacher's rendering) is built from the

@@ -106,7 +106,8 @@ class CrossTokenizerTeacher:
         scorer: scores teacher token ids.
         student_tokenizer / teacher_tokenizer: fast tokenizers, each lossless on text (checked here).
         stop_ids: the student's end-of-turn token ids (GRPO's `eos_token_ids`).
-        tools / chat_template_kwargs: passed to the teacher's chat template, as GRPO passes them to the student's.
+        tools / chat_template_kwargs: passed to the teacher's chat template, as GRPO passes them to the student's
+            (`tools`: unless a row brings its own, as with several environments).
         credit: "byte" or "chunk" (see the module). "byte" reads a local teacher's final states (`return_hidden`)
             and a served teacher's top `SERVED_EXTENSION_TOPK` entries at each position (`topk`).
     """
@@ -133,17 +134,22 @@ class CrossTokenizerTeacher:
         self.tools = tools or None
         self.chat_template_kwargs = chat_template_kwargs or {}
 
-    def prompt_ids(self, prompt) -> list[int]:
-        """The teacher's ids of one prompt: chat messages through its own chat template, text as its tokenizer
-        reads text (special tokens added, as GRPO does for a text prompt)."""
+    def _tools(self, tools: list | None) -> list | None:
+        """A row's tools (None: the trainer's), `or None` as GRPO passes them (some templates render boilerplate for
+        an empty list)."""
+        return (self.tools if tools is None else tools) or None
+
+    def prompt_ids(self, prompt, tools: list | None = None) -> list[int]:
+        """The teacher's ids of one prompt: chat messages through its own chat template (with the row's `tools`),
+        text as its tokenizer reads text (special tokens added, as GRPO does for a text prompt)."""
         if isinstance(prompt, str):
             return self.teacher_tokenizer(text=prompt)["input_ids"]
         return self.teacher_tokenizer.apply_chat_template(
-            prompt, tools=self.tools, add_generation_prompt=True, tokenize=True, return_dict=True,
+            prompt, tools=self._tools(tools), add_generation_prompt=True, tokenize=True, return_dict=True,
             **self.chat_template_kwargs,
         )["input_ids"]
 
-    def observations(self, prompt, messages: list[dict]) -> list[list[int]]:
+    def observations(self, prompt, messages: list[dict], tools: list | None = None) -> list[list[int]]:
         """The teacher's own rendering of what follows each of the student's turns that another turn follows: its
         end-of-turn token, the observations (tool results, user messages: the messages between the two assistant
         messages, possibly none) and its next assistant header, as teacher ids.
@@ -160,7 +166,7 @@ class CrossTokenizerTeacher:
         for k, following in itertools.pairwise(turns):
             turn = {**messages[k], "content": _MARKER}
             text = self.teacher_tokenizer.apply_chat_template(
-                [*prompt, *messages[:k], turn, *messages[k + 1 : following]], tools=self.tools,
+                [*prompt, *messages[:k], turn, *messages[k + 1 : following]], tools=self._tools(tools),
                 add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs,
             )
             after = text.rindex(_MARKER) + len(_MARKER)
@@ -257,7 +263,8 @@ class CrossTokenizerTeacher:
             teacher_line += teacher_text.ljust(size) + "|"
         return "\n".join(lines + [student_line, teacher_line])
 
-    def row_observations(self, prompt, messages: list[dict] | None, action: list[int], *, row: int = 0):
+    def row_observations(self, prompt, messages: list[dict] | None, action: list[int], *, row: int = 0,
+                         tools: list | None = None):
         """`observations(prompt, messages)` for a chat prompt, checked against the completion's runs of context
         between sampled runs (`action`); None for a text prompt (it has no template). A chat prompt's completion with
         such context needs its messages."""
@@ -273,7 +280,7 @@ class CrossTokenizerTeacher:
                     "per student turn and the observations between them (tool or user messages)."
                 )
             return None
-        observations = self.observations(prompt, messages)
+        observations = self.observations(prompt, messages, tools)
         if len(observations) != between:
             raise ValueError(
                 f"Row {row}: the completion has {between} runs of context between runs of sampled tokens, but its "
@@ -284,20 +291,23 @@ class CrossTokenizerTeacher:
 
     @torch.no_grad()
     def score(self, prompts: list, completion_ids, completion_mask, action_mask, conversations: list | None = None,
-              ) -> TeacherScores:
+              tools: list | None = None) -> TeacherScores:
         """`prompts` are the rows' prompts as the teacher should read them (chat messages or text); `action_mask`
         (B, T) marks the tokens the student sampled; `conversations`, each row's completion as chat messages (None:
-        a single turn, or context read as text; see `row_observations`)."""
+        a single turn, or context read as text; see `row_observations`); `tools`, the tools each row's prompt was
+        rendered with (None: the trainer's)."""
         device, valid = completion_ids.device, completion_mask.bool()
         conversations = [None] * len(prompts) if conversations is None else conversations
+        tools = [None] * len(prompts) if tools is None else tools
         rows = []
         for i, (ids, keep, action) in enumerate(zip(completion_ids, valid, action_mask, strict=True)):
             ids, action = ids[keep].tolist(), action[keep].tolist()
-            observations = self.row_observations(prompts[i], conversations[i], action, row=i)
+            observations = self.row_observations(prompts[i], conversations[i], action, row=i, tools=tools[i])
             rows.append(self._translate(ids, action, observations))
         pad_id = self.teacher_tokenizer.pad_token_id
         pad_id = self.end_of_turn if pad_id is None else pad_id
-        prompt_ids = [torch.tensor(self.prompt_ids(prompt)) for prompt in prompts]
+        prompt_ids = [torch.tensor(self.prompt_ids(prompt, row_tools)) for prompt, row_tools in zip(prompts, tools,
+                                                                                                     strict=True)]
         teacher_ids = [torch.tensor(row[0], dtype=torch.long) for row in rows]
         # the teacher's own completion, right-padded; a row with no tokens keeps one masked pad (never scored)
         teacher_completion = pad([ids if len(ids) else torch.tensor([pad_id]) for ids in teacher_ids],
