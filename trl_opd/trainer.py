@@ -63,7 +63,9 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             (and `eval_accuracy` in evaluation) and never trained on.
         tools / environment_factory / rollout_func: GRPO's multi-turn paths, unchanged. Only the tokens the student
             sampled are distilled: GRPO's tool mask, or an `action_mask` a rollout function returns per row (see
-            `_action_mask`). An environment's `get_reward` joins the reward functions, as in GRPO.
+            `_action_mask`). An environment's `get_reward` joins the reward functions, as in GRPO. A teacher with
+            another tokenizer reads the observations through its own template, from the tool loop's messages or a
+            rollout function's `completion_messages` per row (see `_completion_messages`).
         teacher_processing_class: the teacher's tokenizer, for the compatibility check; loaded from the teacher's
             path when omitted (and taken to be the student's for a teacher model with no path). In cross mode, the
             tokenizer the teacher reads the text with (every routed teacher's, if routed).
