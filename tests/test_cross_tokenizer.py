@@ -20,6 +20,21 @@ from trl_opd.testing import OTHER_SPECIAL_TOKENS, build_model, other_family_toke
 TEXTS = ["3 plus 4 is 7. The answer is 7.", "café 中文 🙂 → 12 times 3 is 36.", "naïve π ≥ 3, 数字 答案 üb"]
 
 
+def _recorded(scorer) -> tuple[list, list]:
+    """Wraps the scorer of teacher ids that a cross-tokenizer teacher calls, to keep the prompt ids and completion
+    ids it is given (padding removed), row by row in the order it receives them."""
+    prompts, completions, score = [], [], scorer.score
+
+    def record(prompt_ids, prompt_mask, completion_ids, completion_mask):
+        prompts.extend(ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True))
+        completions.extend(ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask,
+                                                                           strict=True))
+        return score(prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+    scorer.score = record
+    return prompts, completions
+
+
 # ------------------------------------------------------------------------------------------------- the alignment
 
 
@@ -355,15 +370,7 @@ def test_the_teacher_reads_the_prompt_through_its_own_chat_template(tiny, prompt
     config = make_config(teacher_tokenizer_mode="cross", max_steps=1, teacher_system_prompt="Be exact.")
     trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny_other_teacher), args=config,
                          train_dataset=prompts.select(range(4)))
-    seen = []
-    inner = trainer.teacher.scorer
-    original = inner.score
-
-    def recording(prompt_ids, prompt_mask, *rest):
-        seen.extend(ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True))
-        return original(prompt_ids, prompt_mask, *rest)
-
-    inner.score = recording
+    seen, _ = _recorded(trainer.teacher.scorer)
     trainer.train()
     teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
     expected = [teacher_tokenizer.apply_chat_template([{"role": "system", "content": "Be exact."}, *row["prompt"]],
@@ -477,16 +484,7 @@ def test_routed_teachers_of_other_families_each_read_the_text_their_own_way(tiny
                          teachers={"same": str(tiny / "teacher"), "other": str(tiny_other_teacher)})
     trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=dataset)
     assert set(trainer.teacher.scorers) == {"same", "other"}
-    seen = {}
-    for name, cross in trainer.teacher.scorers.items():
-        inner, original = cross.scorer, cross.scorer.score
-
-        def recording(prompt_ids, prompt_mask, *rest, name=name, original=original):
-            seen.setdefault(name, []).extend(ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask,
-                                                                                       strict=True))
-            return original(prompt_ids, prompt_mask, *rest)
-
-        inner.score = recording
+    seen = {name: _recorded(cross.scorer)[0] for name, cross in trainer.teacher.scorers.items()}
     trainer.train()
     for name, path in (("same", tiny / "student"), ("other", tiny_other_teacher)):
         own = AutoTokenizer.from_pretrained(path)
@@ -542,13 +540,7 @@ def test_the_tool_loop_s_observations_reach_the_teacher_through_its_own_template
     config = make_config(max_completion_length=128, teacher_tokenizer_mode="cross", max_tool_calling_iterations=3)
     trainer = OPDTrainer(model=str(tiny_agent / "student"), teacher_model=str(teacher), train_dataset=prompts,
                          tools=ARITHMETIC_TOOLS, args=config)
-    seen, score = [], trainer.teacher.scorer.score
-
-    def record(prompt_ids, prompt_mask, completion_ids, completion_mask):
-        seen.extend(ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask, strict=True))
-        return score(prompt_ids, prompt_mask, completion_ids, completion_mask)
-
-    trainer.teacher.scorer.score = record
+    _, seen = _recorded(trainer.teacher.scorer)
     torch.manual_seed(0)
     output = trainer._generate_and_score_completions([dict(prompts[i]) for i in range(8)])
     teacher_tokenizer = trainer.teacher.teacher_tokenizer
@@ -601,13 +593,7 @@ def test_with_several_environments_the_teacher_renders_each_prompt_with_its_own_
         environment_factory={"both": ArithmeticToolEnv, "adding": _AddingEnv},
         args=make_config(max_completion_length=16, max_tool_calling_iterations=1, teacher_tokenizer_mode="cross"),
     )
-    seen, score = [], trainer.teacher.scorer.score
-
-    def record(prompt_ids, prompt_mask, *rest):
-        seen.extend(ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True))
-        return score(prompt_ids, prompt_mask, *rest)
-
-    trainer.teacher.scorer.score = record
+    seen, _ = _recorded(trainer.teacher.scorer)
     output = trainer._generate_and_score_completions([dict(row) for row in rows])
     student = [ids[mask.bool()].tolist() for ids, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)]
     assert seen == student
