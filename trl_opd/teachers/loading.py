@@ -112,7 +112,7 @@ def _served_topk(args) -> int:
     if args.opd_estimator == "topk":
         return args.opd_topk
     if args.teacher_tokenizer_mode == "cross" and (args.teacher_cross_credit or "byte") == "byte":
-        from .cross import SERVED_EXTENSION_TOPK
+        from .byte_credit import SERVED_EXTENSION_TOPK
 
         return SERVED_EXTENSION_TOPK
     return 0
