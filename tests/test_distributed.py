@@ -168,3 +168,22 @@ def test_routed_local_teachers_under_zero3_with_a_teacher_absent_from_one_rank(t
     two, one = _train_both_ways(args, tmp_path)
     sharded = _assert_same_training(two, one)
     assert all(entry["opd/reverse_kl"] > 0 for entry in sharded)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_check_runs_under_zero3_with_zero_init_and_reports_once(tiny, tmp_path, processes):
+    # zero.Init partitions the student as it loads, so the preflight must run where train() runs its first step
+    # (inside the DeepSpeed engine's forwards); with 2 CPU processes it needs training's gloo set-up too
+    launch = tmp_path / "zero3_init.yaml"
+    launch.write_text(Path(ZERO3).read_text().replace("zero3_init_flag: false", "zero3_init_flag: true")
+                      .replace("num_processes: 2", f"num_processes: {processes}"))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch), "-m", "trl_opd",
+               "check", "--config", SMOKE, "--model_name_or_path", str(tiny / "student"),
+               "--teacher_model_name_or_path", str(tiny / "teacher"), "--dataset_name", str(tiny / "train.jsonl"),
+               "--output_dir", str(tmp_path / "unused"), "--per_device_train_batch_size", str(16 // processes)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert result.stdout.count("reference as teacher: opd/reverse_kl = 0.000000 (OK, 0 as expected)") == 1
+    assert result.stdout.count("recipe's teacher:") == 1
+    reverse_kl = float(result.stdout.split("recipe's teacher:")[1].split("opd/reverse_kl = ")[1].split(",")[0])
+    assert reverse_kl > 1.0  # the real teacher is far from the tiny student

@@ -303,16 +303,15 @@ def main(argv: list[str] | None = None) -> None:
         from .hub import main as push_main
 
         return push_main(argv[1:])
-    if argv[:1] == ["check"]:
-        from .preflight import check
-
-        report = check(*make_parser().parse_args_and_config(argv[1:]))
-        sys.exit(0 if report["ok"] else 1)
-    if argv[:1] == ["train"]:
-        argv = argv[1:]
+    command = argv.pop(0) if argv[:1] in (["check"], ["train"]) else "train"
     if _cpu_process_group():
         # the arguments must take the process group just set up rather than build their own
         argv = _with_configured_state(argv)
+    if command == "check":
+        from .preflight import check
+
+        report = check(*make_parser().parse_args_and_config(argv))
+        sys.exit(0 if report["ok"] else 1)
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
     trainer = train(script_args, training_args, model_args, recipe=recipe)

@@ -9,10 +9,11 @@ template rendering of the first prompt is shown for student and teacher side by 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import tempfile
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerCallback
 
 # Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
 _REFERENCE_PASS = dict(
@@ -25,20 +26,67 @@ _REFERENCE_PASS = dict(
 ZERO_KL_TOLERANCE = 1e-4
 
 
+class _PreflightDone(Exception):
+    """Raised by `_FirstBatch` once the batch is scored, to leave `train()` before its first update."""
+
+
+class _FirstBatch(TrainerCallback):
+    """Runs `preflight()` at the start of `train()`, where the first step would run: the DeepSpeed engine (which
+    gathers ZeRO-3's partitioned parameters around each forward), the optimizer and the generation backend exist then,
+    and not before."""
+
+    def __init__(self, preflight):
+        self.preflight, self.result = preflight, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.result = self.preflight()
+        raise _PreflightDone
+
+
 def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple[dict, object, dict, list]:
+    """The opd/* metrics of one generation batch of `dataset`, from a trainer built as the recipe builds it and run
+    as its first step runs; also the trainer, the scored batch and its rows."""
     from .cli import build_trainer
 
     trainer = build_trainer(script_args, training_args, model_args, train_dataset=dataset)
-    batch = next(iter(trainer.get_train_dataloader()))
-    trainer.model.train()
-    output = trainer._generate_and_score_completions(batch)
-    if "teacher_per_token_logps" in output:  # a dense term alone logs its metrics from the loss forward
-        trainer.current_gradient_accumulation_steps = training_args.gradient_accumulation_steps  # as the loop sets it
-        with torch.no_grad():
-            trainer.compute_loss(trainer.model, output)
+
+    def first_batch():
+        batch = next(iter(trainer.get_train_dataloader()))
+        trainer.model_wrapped.train()
+        output = trainer._generate_and_score_completions(batch)
+        if "teacher_per_token_logps" in output:  # a dense term alone logs its metrics from the loss forward
+            trainer.current_gradient_accumulation_steps = training_args.gradient_accumulation_steps  # as the loop does
+            with torch.no_grad():
+                trainer.compute_loss(trainer.model_wrapped, output)
+        return output, batch
+
+    callback = _FirstBatch(first_batch)
+    trainer.add_callback(callback)
+    try:
+        trainer.train()
+    except _PreflightDone:
+        pass
+    finally:
+        trainer.remove_callback(callback)
+    if callback.result is None:
+        raise RuntimeError("trl-opd check: training ended before its first batch was scored.")
+    output, batch = callback.result
     metrics = trainer._metrics["train"]
     opd = {name: sum(values) / len(values) for name, values in metrics.items() if name.startswith("opd/")}
     return opd, trainer, output, batch
+
+
+def _release(trainer) -> None:
+    """Free what a preflight trainer holds (its DeepSpeed engine, optimizer and models) before the next is built."""
+    trainer.accelerator.free_memory()
+    if trainer.is_deepspeed_enabled:  # a second Accelerator may not bring a DeepSpeed plugin into a state that has one
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state()  # the process group (PartialState) stays, as the Trainer's own sweeps do
+    trainer.model = trainer.model_wrapped = trainer.optimizer = trainer.teacher = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _render(tokenizer, prompt) -> str:
@@ -47,21 +95,31 @@ def _render(tokenizer, prompt) -> str:
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
-def check(script_args, training_args, model_args, *, echo=print) -> dict:
-    """Run the preflight and print a report; returns it, with `ok` False if the reference KL is not zero."""
+def check(script_args, training_args, model_args, *, echo=None) -> dict:
+    """Run the preflight and print a report (from the main process only, under a multi-process launch); returns it,
+    with `ok` False if the reference KL is not zero."""
+    from accelerate import PartialState
+
     from .cli import load_prompts
+
+    if echo is None:
+        echo = print if PartialState().is_main_process else (lambda *args, **kwargs: None)
     from .prompts import teacher_prompt
 
     dataset = load_prompts(script_args, script_args.dataset_train_split,
                            teacher_prompt_column=training_args.teacher_prompt_column)
     scratch = tempfile.mkdtemp(prefix="trl-opd-check-")
     common = dict(max_steps=1, report_to="none", generation_batch_size=None, save_strategy="no", push_to_hub=False,
-                  output_dir=scratch, eval_strategy="no", log_completions=False)
+                  output_dir=scratch, eval_strategy="no", log_completions=False,
+                  # the process group the recipe's arguments set up, kept (building arguments pops this flag)
+                  accelerator_config={**training_args.accelerator_config.to_dict(), "use_configured_state": True})
     reference_args = dataclasses.replace(training_args, **common, **_REFERENCE_PASS)
     teacher_args = dataclasses.replace(training_args, **common)
     rows = dataset.select(range(min(len(dataset), teacher_args.generation_batch_size)))
 
-    reference, *_ = _one_batch_metrics(script_args, reference_args, model_args, rows)
+    reference, reference_trainer, *_ = _one_batch_metrics(script_args, reference_args, model_args, rows)
+    _release(reference_trainer)
+    del reference_trainer
     cross = training_args.teacher_tokenizer_mode == "cross"
     echo("tokenizers: the teacher has its own, and both give text back byte for byte (teacher_tokenizer_mode: "
          "cross; checked at start-up)" if cross else
