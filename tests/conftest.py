@@ -86,12 +86,14 @@ def teacher_server_process(tiny, tmp_path_factory):
     """The session's vLLM server process (started, maybe not ready yet). Tests that stop it must restart it."""
     from pathlib import Path
 
-    from trl_opd.testing import TeacherServerProcess
+    from trl_opd.testing import TeacherServerProcess, install_wheel
 
     python = os.environ.get("OPD_VLLM_PYTHON", str(Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"))
     if not Path(python).exists():
         pytest.fail(f"No vLLM interpreter at {python}: run `make test` (it builds .venv-vllm) or set OPD_VLLM_PYTHON.")
-    server = TeacherServerProcess(tiny / "teacher", tmp_path_factory.mktemp("vllm") / "server.log", python)
+    # started from a wheel-built install of this project, as a user's `pip install trl_opd` gives it
+    site = install_wheel(Path(__file__).parents[1], tmp_path_factory.mktemp("wheel"))
+    server = TeacherServerProcess(tiny / "teacher", tmp_path_factory.mktemp("vllm") / "server.log", python, site=site)
     server.start()
     try:
         yield server

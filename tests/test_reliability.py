@@ -61,10 +61,41 @@ def test_url_credentials_and_the_hub_token_are_in_no_file_and_no_message(teacher
 
 def test_a_server_error_never_shows_the_urls_credentials(tokenizer):
     url = _with_credentials(f"http://127.0.0.1:{free_port()}")  # nothing listens here
-    teacher = VLLMServerTeacher(url, max_retries=0, backoff=0.0)
-    with pytest.raises(TeacherServerError, match=r"http://\*\*\*@127\.0\.0\.1:\d+ did not answer") as error:
+    teacher = VLLMServerTeacher(url, max_retries=0, backoff=0.0, startup_timeout=0.2)
+    with pytest.raises(TeacherServerError, match=r"http://\*\*\*@127\.0\.0\.1:\d+ was not up after 0\.2 s") as error:
         teacher.connect(tokenizer, student_name="s")
     assert PASSWORD not in str(error.value)
+
+
+def test_start_up_waits_for_a_teacher_server_that_is_still_loading(tokenizer):
+    # a large teacher refuses connections while its server starts, then answers 503 until the model is loaded:
+    # connect waits for it (up to teacher_server_startup_timeout), where a request's own retries give up at once
+    import threading
+    import time
+
+    port = free_port()
+    started = time.monotonic()
+    servers = []
+
+    def start_later():
+        time.sleep(1.0)
+        loading = lambda path, headers, body: (503, {}) if time.monotonic() - started < 3.0 else (200, {"data": []})
+        servers.append(LoopbackHTTPServer(loading, port=port))
+
+    threading.Thread(target=start_later, daemon=True).start()
+    teacher = VLLMServerTeacher(f"http://127.0.0.1:{port}", max_retries=0, backoff=0.0)
+    try:  # past the wait, the first answer after /health is this fake's unusable model list
+        with pytest.raises(TeacherServerError, match=r"answered /v1/models with an unexpected shape"):
+            teacher.connect(tokenizer, student_name="s")
+    finally:
+        for server in servers:
+            server.close()
+    paths = [path for path, *_ in servers[0].requests]
+    assert time.monotonic() - started >= 3.0 and paths[-3:] == ["/health", "/health", "/v1/models"]
+
+    with pytest.raises(TeacherServerError, match=r"was not up after 0\.5 s \(last: ConnectionError\).*raise "
+                                                 r"teacher_server_startup_timeout"):
+        VLLMServerTeacher(f"http://127.0.0.1:{free_port()}", startup_timeout=0.5).connect(tokenizer, student_name="s")
 
 
 def _one_sequence():

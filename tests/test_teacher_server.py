@@ -3,9 +3,11 @@
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import torch
 from transformers import TrainerCallback
 
@@ -382,6 +384,32 @@ def test_serve_teacher_command_has_the_scoring_flags_and_user_flags_win():
     paths = server_env({"PYTHONPATH": "/elsewhere"})["PYTHONPATH"].split(os.pathsep)
     assert paths == [str(ROUTE_DIR), "/elsewhere"]
     assert sorted(p.name for p in ROUTE_DIR.iterdir() if p.suffix == ".py") == ["opd_scoring_route.py"]
+    # room for prompt log-probs outside vLLM's memory profile, unless the user says otherwise
+    assert command[command.index("--max-num-batched-tokens") + 1] == "2048"
+    assert command[command.index("--gpu-memory-utilization") + 1] == "0.8"
+    mine = vllm_command("m", python="py", host="h", port=9, max_logprobs=20,
+                        extra=["--gpu-memory-utilization=0.5", "--max-num-batched-tokens", "512"])
+    assert mine.count("--max-num-batched-tokens") == 1 and mine[-2:] == ["--max-num-batched-tokens", "512"]
+    assert "--gpu-memory-utilization" not in mine and "--gpu-memory-utilization=0.5" in mine
+
+
+def test_the_server_runs_from_a_wheel_install_with_its_compact_endpoint(teacher_server_process, teacher_server):
+    # the session's server is started from a wheel-built install (conftest): the endpoint's module is in the wheel
+    route = Path(teacher_server_process.site) / "trl_opd" / "server_route" / "opd_scoring_route.py"
+    assert route.is_file()
+    assert f"Compact scoring endpoint /opd/score from {route}" in teacher_server_process.log.read_text()
+    assert requests.get(teacher_server + "/opd/info", timeout=30).json()["version"] == 1
+
+
+def test_serve_teacher_refuses_an_install_without_its_scoring_endpoint(tmp_path, monkeypatch, capsys):
+    from trl_opd import serve
+
+    monkeypatch.setattr(serve, "ROUTE_DIR", tmp_path)  # an install that lost the module
+    with pytest.raises(SystemExit, match="lacks its scoring endpoint .*Reinstall trl_opd"):
+        serve.main(["m", "--dry-run"])
+    monkeypatch.undo()
+    serve.main(["m", "--dry-run", "--host", "0.0.0.0"])
+    assert "from other nodes too" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ the real server stopped mid-run (kept last: slow)

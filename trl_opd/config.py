@@ -179,6 +179,11 @@ class OPDConfig(GRPOConfig):
         default=3,
         metadata={"help": "Retries of a teacher request after a connection error, timeout or 5xx answer."},
     )
+    teacher_server_startup_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Seconds to wait at start-up for a teacher server that is not up yet (refuses connections "
+                          "or answers 503 while it loads its model) before stopping with an error."},
+    )
     teacher_adapter_name_or_path: str | None = field(
         default=None,
         metadata={
@@ -368,6 +373,9 @@ class OPDConfig(GRPOConfig):
             )
         if not self.teacher_server_timeout > 0:
             raise ValueError(f"teacher_server_timeout must be positive (seconds), got {self.teacher_server_timeout}.")
+        if not self.teacher_server_startup_timeout >= 0:
+            raise ValueError("teacher_server_startup_timeout must be 0 or more (seconds), got "
+                             f"{self.teacher_server_startup_timeout}.")
         if self.teacher_server_max_retries < 0:
             raise ValueError(f"teacher_server_max_retries must be 0 or more, got {self.teacher_server_max_retries}.")
         if not 0.0 <= self.kl_discount_factor < 1.0:

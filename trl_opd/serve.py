@@ -4,18 +4,30 @@ Teacher scoring needs raw log-probs of given tokens (`prompt_logprobs`), enough 
 and no prefix caching (prompt log-prob requests do not use it reliably). The server also gets this project's compact
 scoring endpoint (`/opd/score`, `trl_opd/server_route`), which the trainer uses where a server has it; the stock
 OpenAI endpoints stay as they are. Extra arguments go to vLLM unchanged and win over these defaults.
+
+Memory: vLLM sizes its KV cache from a profile that does not include prompt log-probs, yet scoring a prefill chunk
+of N tokens materialises N x vocabulary float32 logits and their log-softmax (2 x 4 bytes each: 2.5 GB for 2,048
+tokens of a 152k vocabulary). So the server prefills at most `--max-num-batched-tokens` (default 2048) tokens at a
+time and takes `--gpu-memory-utilization` 0.8 of the GPU (vLLM's own default is 0.9), which leaves room for that.
+
+Address: the server listens on 127.0.0.1 unless told otherwise. For a trainer on another node, pass `--host 0.0.0.0`
+(or this node's address) and put this node's address in `teacher_server_url`; use `--api-key` on a shared network.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 
 # The compact scoring endpoint, imported by the server from ROUTE_DIR (which holds that one module only)
 ROUTE_DIR = Path(__file__).parent / "server_route"
 SCORING_ROUTE = "opd_scoring_route.opd_scoring"
+# The prefill chunk (tokens) and GPU share set for scoring, see the module docstring
+SCORING_BATCHED_TOKENS = 2048
+SCORING_GPU_MEMORY_UTILIZATION = 0.8
 
 
 def server_env(environ: dict) -> dict:
@@ -24,13 +36,18 @@ def server_env(environ: dict) -> dict:
     return {**environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def vllm_command(model: str, *, python: str, host: str, port: int, max_logprobs: int, extra: list[str]) -> list[str]:
+def vllm_command(model: str, *, python: str, host: str, port: int, max_logprobs: int, extra: list[str],
+                 max_num_batched_tokens: int = SCORING_BATCHED_TOKENS,
+                 gpu_memory_utilization: float = SCORING_GPU_MEMORY_UTILIZATION) -> list[str]:
     """The server command line: vLLM's OpenAI-compatible API server with the flags teacher scoring needs."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host, "--port",
                str(port), "--max-logprobs", str(max_logprobs), "--no-enable-prefix-caching",
-               "--logprobs-mode", "raw_logprobs", "--middleware", SCORING_ROUTE]
+               "--logprobs-mode", "raw_logprobs", "--middleware", SCORING_ROUTE,
+               "--max-num-batched-tokens", str(max_num_batched_tokens),
+               "--gpu-memory-utilization", str(gpu_memory_utilization)]
     given = {arg.split("=")[0] for arg in extra if arg.startswith("--")}
-    for flag in ("--host", "--port", "--max-logprobs", "--logprobs-mode"):
+    for flag in ("--host", "--port", "--max-logprobs", "--logprobs-mode", "--max-num-batched-tokens",
+                 "--gpu-memory-utilization"):
         if flag in given:  # the user's value wins: drop ours and its value
             at = command.index(flag)
             del command[at : at + 2]
@@ -53,9 +70,15 @@ def has_vllm(python: str) -> bool:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-opd serve-teacher", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="path or Hub id of the teacher")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; 0.0.0.0 for trainers on other nodes (default: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-logprobs", type=int, default=20, help="the largest top-k the trainer may ask for")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=SCORING_BATCHED_TOKENS,
+                        help="tokens prefilled at a time: each needs a vocabulary of float32 logits for its log-probs, "
+                             "outside vLLM's memory profile")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=SCORING_GPU_MEMORY_UTILIZATION,
+                        help="share of the GPU vLLM takes (weights and KV cache), leaving the rest for the log-probs")
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter with vllm installed (vllm often lives in its own virtualenv)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
@@ -66,11 +89,22 @@ def main(argv: list[str] | None = None) -> None:
             "(`pip install 'trl_opd[vllm]'`, or vllm in a virtualenv of its own, then pass that interpreter with "
             "--python), and start again."
         )
+    route = ROUTE_DIR / f"{SCORING_ROUTE.split('.')[0]}.py"
+    if not route.is_file():
+        raise SystemExit(
+            f"This installation of trl_opd lacks its scoring endpoint ({route}), so the server would answer only "
+            "vLLM's slow stock endpoint. Reinstall trl_opd (`pip install --force-reinstall trl_opd`) and start again."
+        )
     command = vllm_command(args.model, python=args.python, host=args.host, port=args.port,
-                           max_logprobs=args.max_logprobs, extra=extra)
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+                           max_logprobs=args.max_logprobs, extra=extra,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
+    everywhere = args.host in ("0.0.0.0", "::")
+    host = socket.gethostname() if everywhere else args.host
     print(" ".join(command))
-    print(f"Teacher will serve at http://{host}:{args.port} once /health answers. In a recipe:\n"
-          f"  teacher_server_url: http://{host}:{args.port}", flush=True)
+    print(f"Compact scoring endpoint /opd/score from {route}")
+    print(f"Teacher will serve at http://{host}:{args.port} once /health answers "
+          f"({'from other nodes too' if everywhere else 'from this machine only; --host 0.0.0.0 for other nodes'})."
+          f" In a recipe:\n  teacher_server_url: http://{host}:{args.port}", flush=True)
     if not args.dry_run:
         os.execve(command[0], command, server_env(dict(os.environ)))

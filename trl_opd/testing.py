@@ -296,14 +296,33 @@ class TensorMemoryMeter:
         return self._mode.__exit__(*exc)
 
 
+def install_wheel(source: str | Path, directory: str | Path) -> Path:
+    """Build a wheel of the project at `source` and install it, without dependencies, into `directory`/site: what a
+    non-editable `pip install` puts on a user's machine. Returns the site directory."""
+    import subprocess
+    import sys
+
+    directory = Path(directory)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(directory / "wheel"), str(source)],
+                   check=True, capture_output=True, timeout=300)
+    wheel = next((directory / "wheel").glob("trl_opd-*.whl"))
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(directory / "site"), str(wheel)], check=True,
+                   capture_output=True, timeout=300)
+    return directory / "site"
+
+
 class TeacherServerProcess:
     """`trl-opd serve-teacher` on a local model, for tests and benchmarks: start, wait until ready, stop.
 
-    `python` is an interpreter with vllm installed (here vLLM's CPU build lives in `.venv-vllm`).
+    `python` is an interpreter with vllm installed (here vLLM's CPU build lives in `.venv-vllm`). With `site`, the
+    command runs the trl_opd installed there (e.g. from a wheel) instead of this one.
     """
 
-    def __init__(self, model, log, python: str, *, port: int | None = None, max_model_len: int = 512):
+    def __init__(self, model, log, python: str, *, port: int | None = None, max_model_len: int = 512,
+                 site: str | Path | None = None):
         self.model, self.log, self.python, self.max_model_len = model, Path(log), python, max_model_len
+        self.site = site
         self.url = f"http://127.0.0.1:{port or free_port()}"
         self.process = None
 
@@ -314,12 +333,15 @@ class TeacherServerProcess:
 
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+        if self.site is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.site), env.get("PYTHONPATH")]))
         command = [sys.executable, "-m", "trl_opd", "serve-teacher", str(self.model), "--python", self.python,
                    "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32",
                    "--max-model-len", str(self.max_model_len), "--enforce-eager"]
         with open(self.log, "a") as out:
+            # `-m` puts the working directory first on sys.path: run from the site, not from a source checkout
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+                                            start_new_session=True, cwd=self.site)
 
     def stop(self) -> None:
         """Stop the server's whole process group (vLLM starts engine processes) and wait until it is gone."""
@@ -375,10 +397,10 @@ MAX_LOOPBACK_BODY = 64 * 2**20  # bytes: a loopback test server refuses larger r
 class LoopbackHTTPServer:
     """An HTTP server on 127.0.0.1 for injecting server faults in tests. Every request is recorded in `requests` as
     (path, headers, body parsed as JSON where it is JSON) and answered by `respond(path, headers, body)`, which
-    returns (status, answer): bytes are sent as they are, anything else as JSON. Close it, or use it as a context
-    manager."""
+    returns (status, answer): bytes are sent as they are, anything else as JSON. `port` 0 takes a free one. Close it,
+    or use it as a context manager."""
 
-    def __init__(self, respond, *, record: bool = True):
+    def __init__(self, respond, *, record: bool = True, port: int = 0):
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -412,7 +434,7 @@ class LoopbackHTTPServer:
             def log_message(self, *args):
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 

@@ -134,6 +134,7 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str,
         timeout=(10.0, args.teacher_server_timeout),
         max_retries=args.teacher_server_max_retries,
         topk=_served_topk(args),
+        startup_timeout=args.teacher_server_startup_timeout,
     )
     if teacher_tokenizer is not None:
         teacher.connect(teacher_tokenizer, student_name=teacher_tokenizer.name_or_path, cross_tokenizer=True)

@@ -79,6 +79,8 @@ class VLLMServerTeacher:
         max_retries: retries of a request after a connection error, a timeout or a 5xx answer, with exponential
             backoff from `backoff` seconds. A 4xx answer is not retried.
         api_key: sent as a bearer token (vLLM's `--api-key`); never logged or put in an error message.
+        startup_timeout: seconds `connect` waits for a server that refuses connections or answers 503 (still
+            loading its model: minutes for a large teacher) before giving up.
         topk: also read the teacher's k most likely tokens at each position (the topk estimator). The server must
             allow k (vLLM's `--max-logprobs`; `trl-opd serve-teacher` sets 20).
     """
@@ -93,12 +95,13 @@ class VLLMServerTeacher:
         backoff: float = 1.0,
         api_key: str | None = None,
         topk: int = 0,
+        startup_timeout: float = 240.0,
     ):
         self.urls = [url.rstrip("/") for url in ([urls] if isinstance(urls, str) else urls)]
         if not self.urls:
             raise ValueError("VLLMServerTeacher needs at least one server URL.")
         self.batch_size, self.timeout, self.max_retries, self.backoff = batch_size, timeout, max_retries, backoff
-        self.topk = topk
+        self.topk, self.startup_timeout = topk, startup_timeout
         self._session = requests.Session()
         adapter = requests.adapters.HTTPAdapter(pool_maxsize=4 * len(self.urls))
         self._session.mount("http://", adapter)
@@ -168,7 +171,7 @@ class VLLMServerTeacher:
                "teacher_tokenizer_mode: cross for a teacher from another model family).")
         expected = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
         for url in self.urls:
-            self._request("GET", url, "/health")
+            self._wait_until_up(url)
             answer = self._request("GET", url, "/v1/models")
             with _reading(url, "/v1/models", answer):
                 served_model = answer["data"][0]
@@ -214,6 +217,29 @@ class VLLMServerTeacher:
                         f"chunk)."
                     ) from error
                 raise
+
+    def _wait_until_up(self, url: str) -> None:
+        """Until `url`/health answers 200, for at most `startup_timeout` seconds: a server that is still loading its
+        model refuses connections or answers 503. Any other answer is passed on as `_request` reads it."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                response = self._session.get(url + "/health", timeout=self.timeout)
+                if response.status_code == 200:
+                    return
+                if response.status_code != 503:
+                    break
+                last = "HTTP 503"
+            except (requests.ConnectionError, requests.Timeout) as error:
+                last = type(error).__name__
+            if time.monotonic() >= deadline:
+                raise TeacherServerError(
+                    f"Teacher server {url} was not up after {self.startup_timeout:g} s (last: {last}). Is it running? "
+                    "Start one with `trl-opd serve-teacher MODEL`; a large teacher takes minutes to load: raise "
+                    "teacher_server_startup_timeout to wait longer."
+                )
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+        self._request("GET", url, "/health")  # any other answer: an error as every request reports it
 
     # ------------------------------------------------------------------ scoring
 
