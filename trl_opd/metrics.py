@@ -96,6 +96,14 @@ class OPDMetricsMixin:
         self._check_finite(scores.logps, old, mask)
         self._log_opd_metrics(mode, scores, old, inputs["advantages"], mask, inputs["completion_mask"],
                               completions_table=False)
+        if inputs.get("sampling_per_token_logps") is not None:  # vLLM sampled: its gap to the trainer's log-probs
+            delta = (old - inputs["sampling_per_token_logps"]).abs()[mask.bool()]
+            delta = delta[~torch.isnan(delta)]
+            mean, top = (delta.mean(), delta.max()) if delta.numel() else (old.new_zeros(()), old.new_zeros(()))
+            self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(
+                self.accelerator.gather(mean).mean().item())
+            self._metrics[mode]["sampling/sampling_logp_difference/max"].append(
+                self.accelerator.gather(top).max().item())
 
     def _log_opd_metrics(
         self, mode, scores, old_per_token_logps, advantages, mask, completion_mask, *, completions_table=True

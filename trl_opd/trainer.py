@@ -151,6 +151,15 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
             self.reward_weights = self.reward_weights[keep]
 
+        if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
+            from .colocate import sync_by_reload
+
+            self.vllm_generation.sync_weights = partial(sync_by_reload, self.vllm_generation)
+        if self.use_vllm and self.vllm_importance_sampling_correction and self._policy_term_always_zero():
+            # vLLM's importance-sampling correction reweights GRPO's policy term, which a dense term alone makes 0:
+            # GRPO's extra forward for the old log-probs would buy nothing (the sampler's log-prob gap is still
+            # logged, from the loss forward)
+            self.vllm_importance_sampling_correction = False
         self.accuracy_func = accuracy_func
         self.teacher_processing_class = teacher_processing_class
         self.teacher_tokenizers = teacher_tokenizers
@@ -200,6 +209,14 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             return scorers["teacher"]
         sharded = tuple(self.teacher_models) if self.is_deepspeed_enabled else ()  # ZeRO-3 forwards are collectives
         return RoutedTeacher(scorers, collective=sharded, max_over_ranks=self._max_over_ranks)
+
+    def _policy_term_always_zero(self) -> bool:
+        """A dense term alone: no sampled-token term, no rewards, no KL or entropy term, batches used once, so
+        GRPO's policy loss is 0 on every batch (see `DenseLossMixin._policy_loss_is_zero`, the same per batch)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return (self.args.opd_coef == 0.0 and self.args.opd_dense_coef is not None and not self.reward_funcs
+                and self.beta == 0.0 and not self._entropy_bonus_enabled and not self.aux_loss_enabled
+                and self.args.gradient_accumulation_steps % generate_every == 0)
 
     def _max_over_ranks(self, count: int) -> int:
         """The largest `count` on any process (a collective)."""
