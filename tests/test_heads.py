@@ -112,3 +112,14 @@ def test_mass_beyond_a_smaller_vocabulary_is_the_softmax_tail():
     top_ids, _ = head_topk_logps(hidden, head, k=3, vocab_size=32)
     assert (top_ids < 32).all()
 
+
+
+def test_tiles_are_sized_for_the_head_s_device():
+    from trl_opd.heads import OutputHead
+
+    vocab, hidden = 151_936, 8
+    assert OutputHead(torch.empty(vocab, hidden)).tile_rows() == 55  # 2^23 logits on a CPU
+    # anywhere else (a GPU; here the meta device, which holds no memory) 2^27: 64 x 2048 positions in 149 tiles
+    on_accelerator = OutputHead(torch.empty(vocab, hidden, device="meta"))
+    assert on_accelerator.tile_rows() == 883 and -(-64 * 2048 // on_accelerator.tile_rows()) == 149
+    assert on_accelerator.tile_rows(tile_elements=100 * vocab) == 100

@@ -103,3 +103,19 @@ def test_only_the_sampled_positions_are_projected_onto_the_vocabulary(tiny, toke
     assert sum(projected) == batch[3].sum() == 13  # 5 + 3 + 5 sampled tokens, of 3 x 45 positions
     expected_logps, _, _ = _naive_scores(model, *batch)
     torch.testing.assert_close(scores.logps, expected_logps, atol=1e-5, rtol=1e-5)
+
+
+def test_the_teacher_loads_in_the_students_dtype_unless_told_otherwise(tiny, prompts, make_config):
+    import torch
+
+    from trl_opd import OPDTrainer
+
+    def teacher_dtype(**overrides):
+        args = make_config(model_init_kwargs={"dtype": "bfloat16"}, **overrides)
+        trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=args,
+                             train_dataset=prompts)
+        assert trainer.model.dtype == torch.bfloat16
+        return trainer.teacher_model.dtype
+
+    assert teacher_dtype() == torch.bfloat16  # an 8B teacher in float32 would take twice the student's memory share
+    assert teacher_dtype(teacher_model_init_kwargs={"dtype": "float32"}) == torch.float32

@@ -92,7 +92,8 @@ class OPDConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is loaded from a "
-            "path, e.g. `{\"dtype\": \"bfloat16\"}`."
+            "path, e.g. `{\"dtype\": \"float32\"}`. Without a dtype here, the teacher loads in the student's "
+            "(model_init_kwargs' dtype, or the student model's own)."
         },
     )
     opd_coef: float | None = field(

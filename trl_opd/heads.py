@@ -19,8 +19,16 @@ from dataclasses import dataclass, replace
 import torch
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
-# Logits per tile: 2^23 float32 values (32 MiB), e.g. 55 positions of a 151k vocabulary
-TILE_ELEMENTS = 2**23
+# Logits per tile, by where the head is: on a CPU 2^23 float32 values (32 MiB, 55 positions of a 151k vocabulary,
+# sized to its caches); on an accelerator 2^27 (512 MiB, 883 positions), where a tile is one kernel launch and 64 x
+# 2048 completion tokens would otherwise take some 2,400 Python-level tiles
+CPU_TILE_ELEMENTS = 2**23
+ACCELERATOR_TILE_ELEMENTS = 2**27
+
+
+def tile_elements_for(device: torch.device) -> int:
+    """Logits per tile for a head whose weight is on `device`."""
+    return CPU_TILE_ELEMENTS if torch.device(device).type == "cpu" else ACCELERATOR_TILE_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -67,9 +75,10 @@ class OutputHead:
             return torch.full_like(raw, factor)
         return (1 - torch.tanh(raw * (self.scale / self.softcap)).square()).mul_(factor)
 
-    def tile_rows(self, tile_elements: int = TILE_ELEMENTS) -> int:
-        """Positions per tile so that one tile of logits holds about `tile_elements` values."""
-        return max(1, tile_elements // self.vocab_size)
+    def tile_rows(self, tile_elements: int | None = None) -> int:
+        """Positions per tile so that one tile of logits holds about `tile_elements` values (by default, the size
+        for the head's device)."""
+        return max(1, (tile_elements or tile_elements_for(self.weight.device)) // self.vocab_size)
 
 
 def logit_scale(text_config) -> float:
@@ -89,7 +98,7 @@ def logit_scale(text_config) -> float:
 @torch.no_grad()
 def head_topk_logps(
     hidden: torch.Tensor, head: OutputHead, *, k: int, vocab_size: int | None = None,
-    tile_elements: int = TILE_ELEMENTS,
+    tile_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely tokens and their log-probs at each position, (N, k) each, from final hidden states (N, H),
     without gradient. Positions are projected onto the vocabulary a tile at a time. With `vocab_size`, the tokens are
@@ -108,7 +117,7 @@ def head_topk_logps(
 @torch.no_grad()
 def head_set_logps(
     hidden: torch.Tensor, head: OutputHead, positions: list[int], id_sets: list[torch.Tensor], *,
-    tile_elements: int = TILE_ELEMENTS,
+    tile_elements: int | None = None,
 ) -> list[float]:
     """The log-probability of a set of tokens at a position, `log sum_{v in id_sets[q]} p(v | positions[q])`, for
     each query q, from final hidden states (N, H), without gradient. Each position asked about is projected once, a
@@ -131,7 +140,7 @@ def head_set_logps(
 
 
 def head_token_logps(
-    hidden: torch.Tensor, head: OutputHead, ids: torch.Tensor, *, tile_elements: int = TILE_ELEMENTS
+    hidden: torch.Tensor, head: OutputHead, ids: torch.Tensor, *, tile_elements: int | None = None
 ) -> torch.Tensor:
     """Log-probs (N, k) of the token `ids` (N, k) at each position, from final hidden states (N, H), differentiable in
     the hidden states and the head. Forward and backward project a tile of positions onto the vocabulary at a time
@@ -141,7 +150,7 @@ def head_token_logps(
 
 @torch.no_grad()
 def head_token_stats(
-    hidden: torch.Tensor, head: OutputHead, ids: torch.Tensor, *, tile_elements: int = TILE_ELEMENTS
+    hidden: torch.Tensor, head: OutputHead, ids: torch.Tensor, *, tile_elements: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-prob of token `ids` (N,), the entropy of the next-token distribution (N,) and whether the token is its
     argmax (N,, the first index among ties) at each position, from final hidden states (N, H); no grad, in tiles of

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoTokenizer
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
@@ -46,6 +47,11 @@ def load_local_teacher(teacher, args, *, student, student_name: str, student_tok
     if isinstance(teacher, str):
         init_kwargs = dict(args.teacher_model_init_kwargs or {})
         init_kwargs.setdefault("trust_remote_code", remote)
+        if "dtype" not in init_kwargs and "torch_dtype" not in init_kwargs:  # the student's, unless told otherwise
+            student_dtype = (student.dtype if isinstance(student, torch.nn.Module)
+                             else (args.model_init_kwargs or {}).get("dtype"))
+            if student_dtype is not None:
+                init_kwargs["dtype"] = student_dtype
         if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
             init_kwargs["device_map"] = None  # "auto" fails under distributed training
         teacher = create_model_from_path(teacher, **init_kwargs)
