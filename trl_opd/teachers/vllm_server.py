@@ -1,4 +1,4 @@
-"""A teacher behind one or more vLLM OpenAI-compatible servers, over plain HTTP (no vllm in the training process).
+"""A teacher behind one or more vLLM OpenAI-compatible servers, over plain HTTP (the client needs no vllm).
 
 Each sequence (prompt + student completion, as token ids) is sent as a prompt with `prompt_logprobs`; the server
 answers one entry per prompt position, keyed by token id, and the entries at completion positions are the teacher's
