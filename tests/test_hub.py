@@ -25,19 +25,114 @@ def unreachable_hub(monkeypatch):
     return endpoint
 
 
-def test_push_to_an_unreachable_hub_fails_once_after_a_complete_local_save(tiny, tmp_path, unreachable_hub, capfd):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+class RecordingHub:
+    """Stands in for the Hub client the Trainer pushes through (no Hub can be reached here): records each upload with
+    the files and the model card the folder held at that moment, and the training step then."""
 
-    output_dir = tmp_path / "run"
-    argv = [
+    def __init__(self, trainer_state):
+        self.state, self.uploads, self.repos = trainer_state, [], []
+
+    def create_repo(self, repo_id, **kwargs):
+        from huggingface_hub import RepoUrl
+
+        self.repos.append(repo_id)
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, run_as_future=False, **kwargs):
+        from concurrent.futures import Future
+
+        folder = Path(folder_path)
+        card = folder / "README.md"
+        self.uploads.append({"repo": repo_id, "folder": folder.name, "path_in_repo": path_in_repo,
+                             "files": sorted(p.name for p in folder.iterdir()), "step": self.state["step"],
+                             "card": card.read_text() if card.exists() else None,
+                             "message": kwargs.get("commit_message")})
+        if not run_as_future:
+            return "commit"
+        done = Future()
+        done.set_result("commit")
+        return done
+
+
+@pytest.fixture
+def recording_hub(monkeypatch):
+    import transformers.trainer
+    from transformers import TrainerCallback
+
+    state = {"step": 0}
+    hub = RecordingHub(state)
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+
+    class Step(TrainerCallback):  # the step at which each upload happened
+        def on_step_end(self, args, trainer_state, control, **kwargs):
+            state["step"] = trainer_state.global_step
+
+    monkeypatch.setattr(transformers.trainer, "DEFAULT_CALLBACKS", [*transformers.trainer.DEFAULT_CALLBACKS, Step])
+    return hub
+
+
+def _push_argv(tiny, output_dir, *extra):
+    return [
         "--config", SMOKE, "--model_name_or_path", str(tiny / "student"),
         "--teacher_model_name_or_path", str(tiny / "teacher"), "--dataset_name", str(tiny / "train.jsonl"),
         "--output_dir", str(output_dir), "--max_steps", "2", "--logging_steps", "1",
-        "--push_to_hub", "true", "--hub_model_id", "opd-tests/tiny-adapter", "--hub_token", TOKEN,
+        "--push_to_hub", "true", "--hub_model_id", "opd-tests/tiny-adapter", "--hub_token", TOKEN, *extra,
     ]
+
+
+@pytest.mark.parametrize("strategy", ["end", "checkpoint"])
+def test_the_cli_pushes_as_hub_strategy_says_each_time_with_its_model_card(tiny, tmp_path, recording_hub, strategy):
+    # the Trainer's own pushes, as the Python API gets them: with hub_strategy checkpoint a run stopped after step 1
+    # already has that step's adapter, card and resumable checkpoint on the Hub
+    output_dir = tmp_path / "run"
+    cli.main(_push_argv(tiny, output_dir, "--hub_strategy", strategy, "--save_strategy", "steps", "--save_steps", "1"))
+    uploads = recording_hub.uploads
+    assert recording_hub.repos == ["opd-tests/tiny-adapter"]
+    during = [u for u in uploads if u["message"] != "Model save"]
+    if strategy == "end":
+        assert during == []
+    else:
+        assert [(u["step"], u["folder"], u["path_in_repo"]) for u in during] == [
+            (1, "run", None), (1, "checkpoint-1", "last-checkpoint"),
+            (2, "run", None), (2, "checkpoint-2", "last-checkpoint")]
+    final = [u for u in uploads if u["message"] == "Model save"]
+    assert len(final) == 1 and final[0]["folder"] == "run"
+    for upload in [u for u in uploads if u["path_in_repo"] is None]:
+        assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(upload["files"])
+        for expected in ("library_name: peft", f"**Teacher:** {tiny / 'teacher'}", f"**Recipe:** {SMOKE}",
+                         "| `opd_estimator` | full |", "AutoPeftModelForCausalLM"):
+            assert expected in upload["card"], (upload["step"], expected)
+    assert "| `step` | 2 |" in final[0]["card"]
+    assert TOKEN not in "".join(u["card"] for u in uploads if u["card"])
+
+
+def test_push_merged_with_a_per_save_hub_strategy_is_refused_before_training(tiny, tmp_path, recording_hub):
+    with pytest.raises(ValueError, match="push_merged pushes the merged model once, at the end"):
+        cli.main(_push_argv(tiny, tmp_path / "run", "--hub_strategy", "every_save", "--push_merged", "true"))
+    assert recording_hub.repos == []
+
+
+def test_an_unreachable_hub_stops_the_run_before_training(tiny, tmp_path, unreachable_hub, capfd):
+    output_dir = tmp_path / "run"
+    with pytest.raises(HubPushError, match=r"Could not create the Hub repo 'opd-tests/tiny-adapter' .*so nothing was "
+                                           r"trained") as error:
+        cli.main(_push_argv(tiny, output_dir))
+    captured = capfd.readouterr()
+    assert TOKEN not in str(error.value) + captured.out + captured.err
+    assert not (output_dir / "adapter_model.safetensors").exists()
+
+
+def test_a_failed_final_push_loses_nothing(tiny, tmp_path, recording_hub, capfd):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def refuse(**kwargs):
+        raise ConnectionError(f"the Hub went away (token {TOKEN})")
+
+    recording_hub.upload_folder = refuse
+    output_dir = tmp_path / "run"
     with pytest.raises(HubPushError, match=r"Could not push .*run to the Hub repo 'opd-tests/tiny-adapter'") as error:
-        cli.main(argv)
+        cli.main(_push_argv(tiny, output_dir))
     assert f"trl-opd push {output_dir} --repo-id opd-tests/tiny-adapter" in str(error.value)
     captured = capfd.readouterr()
     assert TOKEN not in str(error.value) + captured.out + captured.err

@@ -227,30 +227,44 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
           recipe: str | None = None):
     """Build an OPDTrainer from parsed recipe arguments, train, save with a model card, and push if asked.
 
-    The push happens once, at the end and after the local save (not from every checkpoint), so an unreachable Hub
-    costs nothing but the push.
+    Pushes are the Trainer's own, as in the Python API: the repo is created when the trainer is built (so an
+    unreachable Hub stops the run before training), checkpoints are pushed as `hub_strategy` says, and the final
+    model after its local save. With `push_merged` the final push is the adapter merged into its base model instead.
     """
-    from .hub import push, write_model_card
+    from .hub import push, pushing
 
-    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
-    trainer = build_trainer(script_args, training_args, model_args)
+    repo_id = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
+    merged = training_args.push_to_hub and script_args.push_merged
+    if merged and training_args.hub_strategy != "end":
+        raise ValueError(
+            f"push_merged pushes the merged model once, at the end, but hub_strategy {training_args.hub_strategy!r} "
+            "also pushes the adapter at each save into the same repo. Set hub_strategy: end with push_merged, or "
+            "push the merged model later with `trl-opd push OUTPUT_DIR --repo-id ORG/NAME --merge`."
+        )
+    trainer = build_trainer(script_args, training_args, model_args)  # with push_to_hub: the repo, or an error now
+    trainer.card_recipe, trainer.card_dataset = recipe, script_args.dataset_name
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if trainer.eval_dataset is not None:
         print_eval_summary(trainer)
     output_dir = training_args.output_dir
-    trainer.save_model(output_dir)
+    if merged:
+        trainer.args.push_to_hub = False  # the final push is the merged model's, below
+    with pushing(output_dir, repo_id, token=training_args.hub_token):
+        trainer.save_model(output_dir)  # with push_to_hub, the Trainer pushes it with its model card
     if trainer.accelerator.is_main_process:
-        write_model_card(trainer, output_dir, recipe=recipe, dataset=script_args.dataset_name)
+        trainer.create_model_card()
     trainer.accelerator.print(f"Saved the trained {'adapter' if model_args.use_peft else 'model'} to {output_dir}")
     if trainer.eval_dataset is not None and trainer.accelerator.is_main_process:
         from .evaluation import heldout_curve, write_heldout_curve
 
         written = write_heldout_curve(heldout_curve(trainer.state.log_history), output_dir)
         print(f"Held-out curve: {', '.join(map(str, written))}")
-    if push_to_hub and trainer.accelerator.is_main_process:
-        repo_id = training_args.hub_model_id or Path(output_dir).name
-        url = push(output_dir, repo_id, token=training_args.hub_token, private=training_args.hub_private_repo,
-                   merge=script_args.push_merged)
+    if training_args.push_to_hub and trainer.accelerator.is_main_process:
+        if merged:
+            url = push(output_dir, repo_id, token=training_args.hub_token, private=training_args.hub_private_repo,
+                       merge=True)
+        else:
+            url = f"the Hub repo {trainer.hub_model_id}"
         trainer.accelerator.print(f"Pushed to {url}")
     return trainer
 

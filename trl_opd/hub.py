@@ -1,7 +1,10 @@
 """Model cards and Hub pushes of a trained student: the PEFT adapter by default, merged weights when asked.
 
-The push is the last step, after the local save: if the Hub cannot be reached, one error says so and points at the
-complete local copy, which `trl-opd push OUTPUT_DIR --repo-id ORG/NAME` can push later.
+The Trainer's own push does the uploads, for the CLI and the Python API alike: with `push_to_hub` it creates the repo
+when the trainer is built (an unreachable Hub stops the run before any training), pushes at each save as
+`hub_strategy` says, and at the end, each time with this package's model card (`OPDTrainer.create_model_card`). If
+the last push fails, one error says so and points at the complete local copy, which `trl-opd push OUTPUT_DIR
+--repo-id ORG/NAME` can push later.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from .secrets import masked, without_secrets
@@ -73,8 +77,10 @@ def model_card(*, base_model: str, teacher: str, recipe: str | None, dataset: st
     ])
 
 
-def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset: str | None = None) -> Path:
-    """Write README.md for what `trainer` saved in `output_dir`."""
+def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset: str | None = None,
+                     is_adapter: bool | None = None) -> Path:
+    """Write README.md for what `trainer` saved in `output_dir` (an adapter if `is_adapter`, by default if
+    `output_dir` holds one)."""
     args = trainer.args
     settings_names = ("opd_estimator", "opd_coef", "opd_dense_coef", "opd_divergence_beta", "opd_topk",
                       "opd_objective", "kl_discount_factor",
@@ -94,7 +100,9 @@ def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset:
                  settings=settings, metrics=metrics)
     (Path(output_dir) / CARD_FACTS).write_text(json.dumps(facts, indent=1, default=str))
     path = Path(output_dir) / "README.md"
-    path.write_text(model_card(**facts, is_adapter=(Path(output_dir) / "adapter_config.json").exists()))
+    if is_adapter is None:
+        is_adapter = (Path(output_dir) / "adapter_config.json").exists()
+    path.write_text(model_card(**facts, is_adapter=is_adapter))
     return path
 
 
@@ -116,26 +124,40 @@ def merged_copy(output_dir, destination) -> Path:
 def push(output_dir, repo_id: str, *, token: str | None = None, private: bool | None = None, merge: bool = False,
          endpoint: str | None = None) -> str:
     """Push `output_dir` (adapter or model, card, tokenizer) to `repo_id`; the merged model if `merge`."""
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import HfApi
 
     output_dir = Path(output_dir)
     if not (output_dir / "adapter_config.json").exists() and not (output_dir / "config.json").exists():
         raise FileNotFoundError(f"{output_dir} holds no saved model or adapter to push.")
     with tempfile.TemporaryDirectory() as scratch:
         folder = merged_copy(output_dir, scratch) if merge else output_dir
-        try:
+        with pushing(output_dir, repo_id, token=token):
             api = HfApi(endpoint=endpoint, token=token)
             url = api.create_repo(repo_id, private=private, exist_ok=True)
             api.upload_folder(repo_id=repo_id, folder_path=str(folder), ignore_patterns=_IGNORE)
-        except Exception as error:  # any failure of the Hub client: network, auth, offline mode, server errors
-            # the token the client used, whatever its source: the argument, HF_TOKEN or the stored login
-            reason = without_secrets(f"{type(error).__name__}: {error}", token, get_token())
-            raise HubPushError(
-                f"Could not push {output_dir} to the Hub repo {repo_id!r} ({reason}). Nothing is lost: the trained "
-                f"{'adapter' if (output_dir / 'adapter_config.json').exists() else 'model'} and its model card are "
-                f"saved in {output_dir}. Push them later with `trl-opd push {output_dir} --repo-id {repo_id}`."
-            ) from None
     return str(url)
+
+
+def hub_reason(error: Exception, token: str | None) -> str:
+    """What went wrong with the Hub, without the token the client used (the argument, HF_TOKEN or the stored login)."""
+    from huggingface_hub import get_token
+
+    return without_secrets(f"{type(error).__name__}: {error}", token, get_token())
+
+
+@contextmanager
+def pushing(output_dir, repo_id: str, *, token: str | None = None):
+    """Within the block, any failure of the Hub client (network, auth, offline mode, server errors) becomes one
+    HubPushError that says nothing is lost and how to push the saved output later."""
+    output_dir = Path(output_dir)
+    try:
+        yield
+    except Exception as error:
+        raise HubPushError(
+            f"Could not push {output_dir} to the Hub repo {repo_id!r} ({hub_reason(error, token)}). Nothing is lost: "
+            f"the trained {'adapter' if (output_dir / 'adapter_config.json').exists() else 'model'} and its model "
+            f"card are saved in {output_dir}. Push them later with `trl-opd push {output_dir} --repo-id {repo_id}`."
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> None:
