@@ -52,3 +52,21 @@ def test_grpo_config_group_size_check_is_a_plain_comparison():
 def test_forward_redirection_takes_the_wrapper_the_module_and_the_method():
     # the dense term and the local teacher's backbone call run through it (inside the wrapper's forward)
     assert list(_params(_ForwardRedirection.__call__))[:4] == ["self", "wrapper_module", "original_module", "method"]
+
+
+def test_the_vllm_and_hub_pieces_we_hook_into():
+    from transformers import Trainer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    # colocated vLLM: GRPO builds self.vllm_generation, whose sync we replace on a CPU (colocate.sync_by_reload)
+    assert "self.vllm_generation = VLLMGeneration(" in inspect.getsource(GRPOTrainer.__init__)
+    assert _params(VLLMGeneration.sync_weights) == ["self"] and _params(VLLMGeneration._iter_named_params) == ["self"]
+    assert "model_runner.model.load_weights" in inspect.getsource(VLLMGeneration.sync_weights)
+    # the dense-only vLLM path turns this flag off: GRPO's old log-prob forward and its ratio both read it
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "self.use_vllm and self.vllm_importance_sampling_correction" in source
+    # the Trainer's pushes: the repo at construction, a push per save, the card each push writes
+    assert "self.init_hf_repo()" in inspect.getsource(Trainer.__init__)
+    assert _params(Trainer.init_hf_repo) == ["self", "token", "private"]
+    assert _params(Trainer._push_from_checkpoint) == ["self", "checkpoint_folder"]
+    assert "self.create_model_card(model_name=model_name, **kwargs)" in inspect.getsource(Trainer.push_to_hub)
