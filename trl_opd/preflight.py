@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import shutil
 import tempfile
 
 import torch
@@ -97,18 +98,24 @@ def _render(tokenizer, prompt) -> str:
 
 def check(script_args, training_args, model_args, *, echo=None) -> dict:
     """Run the preflight and print a report (from the main process only, under a multi-process launch); returns it,
-    with `ok` False if the reference KL is not zero."""
+    with `ok` False if the reference KL is not zero. Its trainers write to a scratch directory, removed after."""
     from accelerate import PartialState
-
-    from .cli import load_prompts
 
     if echo is None:
         echo = print if PartialState().is_main_process else (lambda *args, **kwargs: None)
+    scratch = tempfile.mkdtemp(prefix="trl-opd-check-")
+    try:
+        return _check(script_args, training_args, model_args, echo=echo, scratch=scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dict:
+    from .cli import load_prompts
     from .prompts import teacher_prompt
 
     dataset = load_prompts(script_args, script_args.dataset_train_split,
                            teacher_prompt_column=training_args.teacher_prompt_column)
-    scratch = tempfile.mkdtemp(prefix="trl-opd-check-")
     common = dict(max_steps=1, report_to="none", generation_batch_size=None, save_strategy="no", push_to_hub=False,
                   output_dir=scratch, eval_strategy="no", log_completions=False,
                   # the process group the recipe's arguments set up, kept (building arguments pops this flag)
