@@ -24,10 +24,10 @@ def test_public_api():
 
 def test_the_extras_admit_what_trl_supports_and_what_ci_runs():
     import os
-    import tomllib
     from importlib.metadata import distribution, version
     from pathlib import Path
 
+    import tomllib
     from packaging.requirements import Requirement
 
     root = Path(__file__).parents[1]
