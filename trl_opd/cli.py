@@ -251,7 +251,7 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
         trainer.args.push_to_hub = False  # the final push is the merged model's, below
     with pushing(output_dir, repo_id, token=training_args.hub_token):
         trainer.save_model(output_dir)  # with push_to_hub, the Trainer pushes it with its model card
-    if trainer.accelerator.is_main_process:
+    if trainer.accelerator.is_main_process and not trainer.args.push_to_hub:  # a Trainer push wrote it already
         trainer.create_model_card()
     trainer.accelerator.print(f"Saved the trained {'adapter' if model_args.use_peft else 'model'} to {output_dir}")
     if trainer.eval_dataset is not None and trainer.accelerator.is_main_process:

@@ -79,8 +79,12 @@ class DenseLossMixin:
 
     def _policy_loss_is_zero(self, inputs) -> bool:
         """Zero advantages (a dense term alone, see `_defer_sampled_metrics`) and no other term in GRPO's loss."""
-        return ("teacher_per_token_logps" in inputs and self.beta == 0.0 and not self._entropy_bonus_enabled
-                and not self.aux_loss_enabled and not any(key in inputs for key in _MULTIMODAL_INPUTS))
+        return ("teacher_per_token_logps" in inputs and self._no_other_grpo_loss_term()
+                and not any(key in inputs for key in _MULTIMODAL_INPUTS))
+
+    def _no_other_grpo_loss_term(self) -> bool:
+        """GRPO's loss has no KL penalty, entropy bonus or MoE auxiliary term: with zero advantages it is 0."""
+        return self.beta == 0.0 and not self._entropy_bonus_enabled and not self.aux_loss_enabled
 
     def _log_lean_forward_metrics(self, inputs, student_hidden, student) -> None:
         """What GRPO's loss forward would have logged: the deferred `opd/*` metrics (from the sampled tokens'

@@ -251,8 +251,7 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
         GRPO's policy loss is 0 on every batch (see `DenseLossMixin._policy_loss_is_zero`, the same per batch)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
         return (self.args.opd_coef == 0.0 and self.args.opd_dense_coef is not None and not self.reward_funcs
-                and self.beta == 0.0 and not self._entropy_bonus_enabled and not self.aux_loss_enabled
-                and self.args.gradient_accumulation_steps % generate_every == 0)
+                and self._no_other_grpo_loss_term() and self.args.gradient_accumulation_steps % generate_every == 0)
 
     def _max_over_ranks(self, count: int) -> int:
         """The largest `count` on any process (a collective)."""
