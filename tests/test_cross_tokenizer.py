@@ -599,3 +599,261 @@ def test_with_several_environments_the_teacher_renders_each_prompt_with_its_own_
     assert seen == student
     assert "multiply" in trainer.processing_class.decode(student[1])
     assert "multiply" not in trainer.processing_class.decode(student[0])
+
+
+# ------------------------------------------------------------------------------- the byte credit is exact
+
+
+def _old_policy(model, prompts: list[list[int]], completion_ids, completion_mask):
+    """The student's log-probs of the sampled tokens (B, T) and its final hidden states before each (B, T, H), by
+    one plain, unpadded forward per row: what the trainer's old-policy forward gives."""
+    logps = torch.zeros(completion_ids.shape)
+    hidden = torch.zeros(*completion_ids.shape, model.config.hidden_size)
+    for i, (ids, keep) in enumerate(zip(completion_ids, completion_mask.bool(), strict=True)):
+        sampled = ids[keep].tolist()
+        sequence = torch.tensor([prompts[i] + sampled])
+        with torch.no_grad():
+            states = model.model(sequence).last_hidden_state[0, len(prompts[i]) - 1 : -1]
+            logps[i, : len(sampled)] = model.lm_head(states).log_softmax(-1).gather(
+                -1, torch.tensor(sampled)[:, None])[:, 0]
+        hidden[i, : len(sampled)] = states
+    return logps, hidden
+
+
+def _advantages(cross, student, tokenizer, prompts, completion_ids, completion_mask, action_mask=None):
+    """Per-token byte-credit advantages `A = log pi_T-credit - shift - log pi_old` (B, T), as the trainer forms
+    them, with the teacher's scores and the student's shift."""
+    from trl_opd.heads import OutputHead
+    from trl_opd.teachers.byte_credit import student_prefix_shift
+
+    action_mask = completion_mask if action_mask is None else action_mask
+    scores = cross.score(prompts, completion_ids, completion_mask, action_mask)
+    student_prompts = [tokenizer(p)["input_ids"] if isinstance(p, str) else
+                       tokenizer.apply_chat_template(p, add_generation_prompt=True)["input_ids"] for p in prompts]
+    logps, hidden = _old_policy(student, student_prompts, completion_ids, completion_mask)
+    shift = student_prefix_shift(ByteVocabulary.of(tokenizer), completion_ids, completion_mask, action_mask,
+                                 [tokenizer.eos_token_id], logps, hidden, OutputHead.of(student))
+    distilled = scores.aligned & action_mask.bool()
+    return torch.where(distilled, scores.logps - shift - logps, 0.0), scores, shift, distilled
+
+
+def test_by_byte_each_token_gets_both_models_log_ratio_of_its_own_bytes(tiny, tokenizer, tiny_other_teacher,
+                                                                        other_teacher):
+    """A_i = [log P_T(text[:b_i]) - log P_T(text[:b_{i-1}])] - [log P_S(text[:b_i]) - log P_S(text[:b_{i-1}])], each
+    side's prefix probability by its definition along its own tokens (`_prefix_logp`, plain forwards, extensions
+    searched over the whole vocabulary); so over a finished completion the advantages add up to
+    log pi_T(text) - log pi_S(text), and over a completion cut inside a character to the log-ratio of the two
+    models' probabilities that the text starts so."""
+    student = AutoModelForCausalLM.from_pretrained(tiny / "student")
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    cross = CrossTokenizerTeacher(LocalTeacher(other_teacher, batch_size=2), student_tokenizer=tokenizer,
+                                  teacher_tokenizer=teacher_tokenizer, stop_ids=[tokenizer.eos_token_id])
+    prompts = [[{"role": "user", "content": f"Say {text[:5]}"}] for text in TEXTS]
+    completion_ids, completion_mask = _completions(tokenizer, TEXTS)
+    cut = len(tokenizer(TEXTS[2], add_special_tokens=False)["input_ids"]) - 2  # row 2: cut inside "ü", no eos
+    completion_ids[2, cut:], completion_mask[2, cut:] = tokenizer.pad_token_id, 0
+    advantages, _, shift, distilled = _advantages(cross, student, tokenizer, prompts, completion_ids, completion_mask)
+    assert distilled[completion_mask.bool()].all()
+    assert shift[completion_mask.bool()].abs().max() > 0.05  # the student's own extension mass is not nothing
+
+    student_bytes, teacher_bytes = ByteVocabulary(tokenizer), ByteVocabulary(teacher_tokenizer)
+    student_added, teacher_added = set(tokenizer.added_tokens_decoder), set(teacher_tokenizer.added_tokens_decoder)
+    teacher_eos = teacher_tokenizer.eos_token_id
+    for i in range(len(TEXTS)):
+        sampled = completion_ids[i][completion_mask[i].bool()].tolist()
+        stopped = sampled[-1] == tokenizer.eos_token_id
+        spelled = b"".join(student_bytes(sampled[: len(sampled) - stopped]))
+        teacher_ids = teacher_bytes.encode_bytes(spelled) + [teacher_eos] * stopped
+        student_prompt = tokenizer.apply_chat_template(prompts[i], add_generation_prompt=True)["input_ids"]
+        teacher_prompt = teacher_tokenizer.apply_chat_template(prompts[i], add_generation_prompt=True)["input_ids"]
+        ends = list(itertools.accumulate(len(piece) for piece in student_bytes(sampled[: len(sampled) - stopped])))
+        teacher_prefixes = [_prefix_logp(other_teacher, teacher_prompt, teacher_ids, teacher_bytes.table,
+                                         teacher_added, cut=end) for end in ends]
+        student_prefixes = [_prefix_logp(student, student_prompt, sampled, student_bytes.table, student_added,
+                                         cut=end) for end in ends]
+        if stopped:  # the end of turn: each side's whole sequence
+            teacher_prefixes.append(_sequence_logp(other_teacher, teacher_prompt, teacher_ids))
+            student_prefixes.append(_sequence_logp(student, student_prompt, sampled))
+        expected = (torch.tensor(teacher_prefixes) - torch.tensor(student_prefixes)).diff(prepend=torch.zeros(1))
+        torch.testing.assert_close(advantages[i, : len(sampled)], expected, atol=2e-4, rtol=0)
+        whole = teacher_prefixes[-1] - student_prefixes[-1]
+        if stopped:
+            whole = _sequence_logp(other_teacher, teacher_prompt, teacher_ids) - _sequence_logp(
+                student, student_prompt, sampled)
+        assert advantages[i].sum().item() == pytest.approx(whole, abs=2e-4)
+
+
+def _spelling_tokenizer(tokenizer):
+    """A second tokenizer that reads every text as `tokenizer` does, with one unused special token more: another
+    vocabulary, so a teacher with it reads the sampled text by re-encoding it."""
+    other = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    other.add_tokens(["<|unused|>"], special_tokens=True)
+    return other
+
+
+@pytest.mark.parametrize("reader", ["its own tokenizer", "another tokenizer of the same text"])
+def test_an_identical_teacher_gives_every_token_zero_even_where_a_marker_is_spelled_out(tiny, tokenizer, reader):
+    """The student's own checkpoint as a cross-tokenizer teacher: every token's advantage is 0 (not only their
+    sum), on completions that spell the end-of-turn marker `<|im_end|>` in plain characters too."""
+    student = AutoModelForCausalLM.from_pretrained(tiny / "student")
+    teacher_tokenizer = tokenizer if reader == "its own tokenizer" else _spelling_tokenizer(tokenizer)
+    cross = CrossTokenizerTeacher(LocalTeacher(freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "student")),
+                                               batch_size=2), student_tokenizer=tokenizer,
+                                  teacher_tokenizer=teacher_tokenizer, stop_ids=[tokenizer.eos_token_id])
+    assert cross.same_vocabulary == (reader == "its own tokenizer")
+    texts = ["3 plus 4 is 7. The answer is 7.", "The answer is 7.<|im_end|>", "12 plus 7 is 19<|im_end|> ok"]
+    rows = [tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+            for text in texts]
+    assert all(tokenizer.eos_token_id not in row[:-1] for row in rows)  # the markers are spelled out
+    width = max(map(len, rows))
+    completion_ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+    completion_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    prompts = [[{"role": "user", "content": "What is 3 plus 4?"}]] * len(texts)
+    advantages, scores, shift, distilled = _advantages(cross, student, tokenizer, prompts, completion_ids,
+                                                       completion_mask)
+    assert distilled[completion_mask.bool()].all()
+    assert advantages.abs().max() < 1e-5
+    assert shift.abs().max() > 0.05  # the teacher's byte credit alone is not the student's log-prob here
+
+
+def test_the_trainer_s_first_step_is_zero_with_an_identical_cross_tokenizer_teacher(tiny, tokenizer, prompts,
+                                                                                     make_config):
+    """On the student's own samples, an identical teacher read by re-encoding the text: every advantage 0 and
+    the first step's gradient 0, as on the same-tokenizer path."""
+    config = make_config(teacher_tokenizer_mode="cross", max_steps=1, max_completion_length=24)
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "student"), args=config,
+                         train_dataset=prompts.select(range(8)),
+                         teacher_processing_class=_spelling_tokenizer(tokenizer))
+    assert not trainer.teacher.same_vocabulary
+    finished, finish = [], trainer._finish_with_scores
+    trainer._finish_with_scores = lambda output, scores: finished.append(finish(output, scores)) or finished[-1]
+    trainer.train()
+    output = finished[0]
+    mask = output["action_mask"].bool()
+    sampled = [ids[keep].tolist() for ids, keep in zip(output["completion_ids"], output["completion_mask"].bool(),
+                                                       strict=True)]
+    # the teacher reads each sample in the student's own tokens (its text re-encoded gives them back), so both
+    # sides of the credit follow the same path
+    assert all(trainer.teacher.translate(ids, [1] * len(ids))[0] == ids for ids in sampled)
+    assert mask.sum() > 40 and output["student_prefix_shift"][mask].abs().max() > 0.05
+    assert output["advantages"][mask].abs().max() < 1e-5
+    logged = trainer.state.log_history[0]
+    assert logged["grad_norm"] < 1e-4 and abs(logged["opd/reverse_kl"]) < 1e-5
+
+
+FAMILY_MARKERS = {  # each family's special tokens, its end of turn last
+    "ChatML (Qwen)": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    "Llama 3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    "Gemma": ["<pad>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+    "SmolLM2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>"],
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_MARKERS)
+def test_a_special_token_spelled_out_is_read_as_its_characters(family):
+    """The teacher reads exactly the characters the student wrote: each family's markers written out in plain text
+    are its ordinary tokens, never its special tokens (which its tokenizer alone would read them as)."""
+    from trl_opd.testing import _arithmetic_corpus, _byte_level_bpe
+
+    specials = FAMILY_MARKERS[family]
+    teacher_tokenizer = _byte_level_bpe(_arithmetic_corpus(["user", "assistant", "end", "turn"], seed=0),
+                                        vocab_size=400, special_tokens=specials, eos_token=specials[-1],
+                                        pad_token=specials[0])
+    vocabulary = ByteVocabulary(teacher_tokenizer)
+    special_ids = set(teacher_tokenizer.all_special_ids)
+    for marker in specials:
+        text = f"The answer is 7.{marker}\n{marker}user"
+        assert special_ids & set(teacher_tokenizer(text, add_special_tokens=False)["input_ids"])  # as a template
+        ids = vocabulary.encode_bytes(text.encode())
+        assert not special_ids & set(ids), marker
+        assert b"".join(vocabulary(ids)) == text.encode()
+
+
+def test_a_student_that_spells_the_teachers_end_of_turn_is_not_read_as_ending(tiny, tokenizer, tiny_other_teacher,
+                                                                              other_teacher):
+    """Another family's teacher (end of turn `<|end|>`): a completion that writes "<|end|>" in characters is read
+    by the teacher as those characters, and its only end-of-turn token is the one for the student's own."""
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    scorer = LocalTeacher(other_teacher, batch_size=2)
+    _, completions = _recorded(scorer)
+    cross = CrossTokenizerTeacher(scorer, student_tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
+                                  stop_ids=[tokenizer.eos_token_id])
+    text = "The answer is 7.<|end|>"
+    completion_ids, completion_mask = _completions(tokenizer, [text])
+    scores = cross.score([[{"role": "user", "content": "What is 3 plus 4?"}]], completion_ids, completion_mask,
+                         completion_mask)
+    end = teacher_tokenizer.convert_tokens_to_ids("<|end|>")
+    assert completions[0].count(end) == 1 and completions[0][-1] == end
+    assert completions[0][:-1] == teacher_tokenizer(text, add_special_tokens=False,
+                                                    split_special_tokens=True)["input_ids"]
+    assert scores.aligned[completion_mask.bool()].all()
+
+
+def test_nothing_is_carried_from_one_run_of_sampled_text_into_the_next(tiny, tokenizer, tiny_other_teacher,
+                                                                       other_teacher):
+    """A run that ends without an end of turn (context follows: a tool's reply) is credited up to the probability
+    that the text starts with it; the next run starts afresh: its first token's value is the teacher's probability
+    of any token starting with its bytes there, on each side, whatever token ended the run before."""
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    scorer = LocalTeacher(other_teacher, batch_size=2)
+    _, completions = _recorded(scorer)
+    cross = CrossTokenizerTeacher(scorer, student_tokenizer=tokenizer, teacher_tokenizer=teacher_tokenizer,
+                                  stop_ids=[tokenizer.eos_token_id])
+
+    def student(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    first, context, second = student("12 plus 7 is "), student("nineteen"), student(".") + [tokenizer.eos_token_id]
+    ids = first + context + second
+    action = [1] * len(first) + [0] * len(context) + [1] * len(second)
+    prompt = "What is 12 plus 7? "  # a text prompt: the context between runs is read as text
+    student_model = AutoModelForCausalLM.from_pretrained(tiny / "student")
+    _, scores, shift, _ = _advantages(cross, student_model, tokenizer, [prompt], torch.tensor([ids]),
+                                      torch.ones(1, len(ids), dtype=torch.long), torch.tensor([action]))
+    teacher_ids = completions[0]
+    teacher_bytes, added = ByteVocabulary(teacher_tokenizer), set(teacher_tokenizer.added_tokens_decoder)
+    teacher_prompt = teacher_tokenizer(prompt)["input_ids"]
+    run = len(teacher_bytes.encode_bytes(b"12 plus 7 is "))
+    # the first run: the teacher's probability that the text starts with it
+    assert scores.logps[0, : len(first)].sum().item() == pytest.approx(_prefix_logp(
+        other_teacher, teacher_prompt, teacher_ids[:run], teacher_bytes.table, added, cut=len(b"12 plus 7 is ")),
+        abs=1e-4)
+    assert scores.logps[0, : len(first)].sum() > _sequence_logp(other_teacher, teacher_prompt, teacher_ids[:run])
+    # the second run's "." (the teacher's position of its "." token): any token starting with "." there
+    at = len(teacher_ids) - 2
+    assert teacher_bytes.table[teacher_ids[at]].startswith(b".")
+    with torch.no_grad():
+        logps = other_teacher(torch.tensor([teacher_prompt + teacher_ids])).logits[0, len(teacher_prompt) + at - 1]
+    starting = [v for v, piece in enumerate(teacher_bytes.table) if piece.startswith(b".") and v not in added]
+    assert scores.logps[0, len(first) + len(context)].item() == pytest.approx(
+        logps.float().log_softmax(-1)[starting].logsumexp(0).item(), abs=1e-4)
+    # the student's side likewise: its "." shift is its own mass of tokens starting with "." there, nothing before
+    student_prompt = tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        logps = student_model(torch.tensor([student_prompt + ids])).logits[0, len(student_prompt) + len(first)
+                                                                            + len(context) - 1].log_softmax(-1)
+    student_bytes = ByteVocabulary(tokenizer)
+    starting = [v for v, piece in enumerate(student_bytes.table)
+                if piece.startswith(b".") and v not in tokenizer.added_tokens_decoder]
+    dot = second[0]
+    assert shift[0, len(first) + len(context)].item() == pytest.approx(
+        (logps[starting].logsumexp(0) - logps[dot]).item(), abs=1e-4)
+
+
+def test_a_token_of_no_bytes_is_never_distilled(tokenizer, tiny_other_teacher, other_teacher):
+    """A sampled id that spells nothing (past the tokenizer's vocabulary, which a model's embedding may be larger
+    than) is in no chunk and not distilled; the other tokens are scored as without it."""
+    teacher_tokenizer = AutoTokenizer.from_pretrained(tiny_other_teacher)
+    cross = CrossTokenizerTeacher(LocalTeacher(other_teacher, batch_size=2), student_tokenizer=tokenizer,
+                                  teacher_tokenizer=teacher_tokenizer, stop_ids=[tokenizer.eos_token_id])
+    plain = tokenizer("is 7.", add_special_tokens=False)["input_ids"]
+    empty = len(ByteVocabulary(tokenizer).table)
+    rows = [plain + [tokenizer.eos_token_id], plain[:1] + [empty] + plain[1:] + [tokenizer.eos_token_id]]
+    completion_ids = torch.tensor([rows[0] + [tokenizer.pad_token_id], rows[1]])
+    completion_mask = torch.tensor([[1] * len(rows[0]) + [0], [1] * len(rows[1])])
+    prompt = [{"role": "user", "content": "What is 3 plus 4?"}]
+    scores = cross.score([prompt, prompt], completion_ids, completion_mask, completion_mask)
+    assert scores.aligned[1].tolist() == [True, False] + [True] * (len(rows[1]) - 2)
+    assert scores.logps[1, 1] == 0
+    kept = torch.tensor([0, *range(2, len(rows[1]))])
+    torch.testing.assert_close(scores.logps[1, kept], scores.logps[0, : len(rows[0])], atol=1e-5, rtol=0)

@@ -122,20 +122,29 @@ class ByteVocabulary:
         return self._ranked
 
     def __call__(self, ids) -> list[bytes]:
-        return [self.table[index] for index in ids]
+        """The bytes of each id; none for an id past the tokenizer's vocabulary (a model's embedding may be larger)."""
+        size = len(self.table)
+        return [self.table[index] if index < size else b"" for index in ids]
 
     def encode(self, text: str) -> list[int]:
-        """The tokenizer's own ids for `text`, no special tokens added around it."""
+        """The tokenizer's own ids for `text`, no special tokens added around it, its added tokens read as such (a
+        chat template's rendering)."""
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_plain(self, text: str) -> list[int]:
+        """The ids of `text` read as plain text: characters that spell a special token (`<|im_end|>` written out)
+        are read as the ordinary tokens they are, never as that token."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
     def encode_bytes(self, data: bytes) -> list[int]:
-        """Ids spelling `data`: the tokenizer's own tokenisation of each run of valid UTF-8, and its single-byte token
-        for each byte that spells no character (a sample cut inside a character, or sampled bytes that form none).
-        Stops before a byte the vocabulary has no token for, so the ids may spell only a prefix of `data`."""
+        """Ids spelling `data` as plain text: the tokenizer's own tokenisation of each run of valid UTF-8 (special
+        tokens spelled out read as plain text, `encode_plain`), and its single-byte token for each byte that spells no
+        character (a sample cut inside a character, or sampled bytes that form none). Stops before a byte the
+        vocabulary has no token for, so the ids may spell only a prefix of `data`."""
         ids = []
         for run in _INVALID_BYTES.split(data.decode(errors="surrogateescape")):
             if not run or not _INVALID_BYTES.fullmatch(run):
-                ids += self.encode(run) if run else []
+                ids += self.encode_plain(run) if run else []
                 continue
             for character in run:  # surrogateescape writes byte b >= 0x80 as the code point 0xDC00 + b
                 byte = ord(character) - 0xDC00
@@ -167,7 +176,7 @@ def align_bytes(student: list[bytes], teacher: list[bytes]) -> tuple[list[int], 
     share from the start (normally all of them).
 
     Returns the chunk index of each student token and of each teacher token (-1 for a token past the last common
-    boundary) and the number of chunks. Every chunk holds at least one token of each side.
+    boundary, or of no bytes) and the number of chunks. Every chunk holds at least one token of each side.
     """
     student_ends = list(itertools.accumulate(len(piece) for piece in student))
     teacher_ends = list(itertools.accumulate(len(piece) for piece in teacher))
@@ -175,13 +184,14 @@ def align_bytes(student: list[bytes], teacher: list[bytes]) -> tuple[list[int], 
     cuts = sorted(set(student_ends) & set(teacher_ends) - {0})
     cuts = cuts[: bisect.bisect_right(cuts, shared)]
 
-    def chunk_of(ends: list[int]) -> list[int]:
-        # a token belongs to the first chunk that ends at or after its own end (a zero-byte token joins the chunk
-        # before it, or the next one at the start)
-        chunks = [bisect.bisect_left(cuts, end) for end in ends]
+    def chunk_of(pieces: list[bytes], ends: list[int]) -> list[int]:
+        # a token belongs to the first chunk that ends at or after its own end; a token of no bytes to none (it
+        # spells nothing to compare)
+        chunks = [bisect.bisect_left(cuts, end) if piece else len(cuts) for piece, end in zip(pieces, ends,
+                                                                                               strict=True)]
         return [chunk if chunk < len(cuts) else -1 for chunk in chunks]
 
-    return chunk_of(student_ends), chunk_of(teacher_ends), len(cuts)
+    return chunk_of(student, student_ends), chunk_of(teacher, teacher_ends), len(cuts)
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:

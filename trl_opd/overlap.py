@@ -87,9 +87,6 @@ class OverlapScoringMixin:
     def _start_scoring(self, inputs) -> _Scoring:
         """Generate `inputs` with the current policy, record its old log-probs, and send the teacher's request."""
         output = self._generate_for_teacher(inputs)
-        if output.get("old_per_token_logps") is None:  # trained one update later: pi_old is this policy's
-            output["old_per_token_logps"] = self._student_logps(
-                output["prompt_ids"], output["prompt_mask"], output["completion_ids"], output["completion_mask"]
-            )
+        self._old_policy_pass(output)  # trained one update later: pi_old is this policy's
         request = self._teacher_request(inputs, output)
         return _Scoring(inputs, output, self._scoring_pool.submit(request), self.state.global_step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, pad, use_adapter
 
+from .alignment import ByteVocabulary
 from .checks import check_chat_template, check_model_files, check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
@@ -31,6 +33,7 @@ from .overlap import OverlapScoringMixin
 from .prompts import teacher_prompt
 from .runs import RunSafetyMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
+from .teachers.byte_credit import student_prefix_shift
 from .teachers.cross import CrossTokenizerTeacher
 from .teachers.loading import load_cross_tokenizers, load_teachers
 from .teachers.local import freeze_teacher
@@ -322,7 +325,7 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
     def _finish_with_scores(self, output: dict[str, Any], scores: TeacherScores) -> dict[str, Any]:
         """The teacher's advantages (and dense-term inputs, and metrics) for a generated batch, from its scores."""
         mode = "train" if self.model.training else "eval"
-        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
+        completion_mask = output["completion_mask"]
         mask = output["action_mask"]
         if scores.aligned is not None:  # a cross-tokenizer teacher: tokens in no aligned chunk are not distilled
             mask = self._restrict_action_mask(output, scores)
@@ -336,10 +339,10 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
             self._defer_sampled_metrics(output, scores)
             self._keep_dense_inputs(output, scores)
             return output
-        if output.get("old_per_token_logps") is None:
-            output["old_per_token_logps"] = self._student_logps(
-                output["prompt_ids"], output["prompt_mask"], completion_ids, completion_mask
-            )
+        self._old_policy_pass(output)
+        if "student_prefix_shift" in output:  # the student's side of the byte credit, under the policy that sampled
+            scores = replace(scores, logps=torch.where(mask.bool(), scores.logps - output["student_prefix_shift"],
+                                                       scores.logps))
         old_per_token_logps = output["old_per_token_logps"]  # (B, T)
         self._check_finite(scores.logps, old_per_token_logps, mask)
 
@@ -452,11 +455,44 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
                     "context in the rollout's own prompt."
                 )
 
-    def _student_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-        """log pi_old of the sampled tokens, when GRPO did not already compute them (on-policy, no vLLM)."""
+    def _old_policy_pass(self, output) -> None:
+        """What the advantage needs from the policy that sampled the batch, from one no-grad forward of it:
+        `old_per_token_logps` where GRPO did not already compute them (on-policy, no vLLM), and, with a
+        cross-tokenizer teacher's byte credit, the student's side of that credit, `student_prefix_shift` (see
+        `byte_credit`; then a forward of its own where GRPO computed the old log-probs)."""
+        args = self.args
+        byte_credit = args.teacher_tokenizer_mode == "cross" and (args.teacher_cross_credit or "byte") == "byte"
+        done = output.get("old_per_token_logps") is not None
+        if done and (not byte_credit or "student_prefix_shift" in output):
+            return
+        batch = output["prompt_ids"], output["prompt_mask"], output["completion_ids"], output["completion_mask"]
+        if not byte_credit:
+            output["old_per_token_logps"] = self._student_logps(*batch)
+            return
+        logps, hidden = self._student_logps(*batch, hidden=True)
+        output["student_prefix_shift"] = student_prefix_shift(
+            ByteVocabulary.of(self._tokenizer), output["completion_ids"], output["completion_mask"],
+            output["action_mask"], self.eos_token_ids, logps, hidden, self._student_head(self._student_causal_lm()),
+        )
+        if not done:
+            output["old_per_token_logps"] = logps
+
+    def _student_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, hidden: bool = False):
+        """log pi_old of the sampled tokens (B, T), by a no-grad forward of the student; with `hidden`, also its final
+        hidden states before each completion token (B, T, H)."""
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        return self._no_grad_logps(self.model, input_ids, attention_mask, completion_ids.size(1))
+        width = completion_ids.size(1)
+        if not hidden:
+            return self._no_grad_logps(self.model, input_ids, attention_mask, width)
+        states = []  # one per forward batch
+        hook = self._student_causal_lm().base_model.register_forward_hook(
+            lambda module, args, out: states.append(out.last_hidden_state[:, -width - 1 : -1].detach()))
+        try:
+            logps = self._no_grad_logps(self.model, input_ids, attention_mask, width)
+        finally:
+            hook.remove()
+        return logps, torch.cat(states)
 
     # ------------------------------------------------------------------ loss
 

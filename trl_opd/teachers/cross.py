@@ -6,10 +6,12 @@ every byte offset where both end a token (`alignment.align_bytes`): over a chunk
 after the same text, and the chunks' log-prob differences add up to `log pi_T(text) - log pi_S(text)`. Inside a
 chunk, the teacher's log-prob is shared among the student's tokens one of two ways (`credit`):
 
-- `byte` (the default): each student token gets the teacher's probability of its own bytes given the text before
-  them, read from the teacher's whole next-token distribution where a teacher token could go on (`byte_credit`).
-  A student that writes "1", "3" where the teacher writes " 13" is credited for each digit, and the teacher's
-  probability that the number stops after "13" goes to the student token after it, which decides that.
+- `byte` (the default): each student token gets both models' probability that the text goes on with its bytes,
+  given the text before them: the teacher's along its own tokens, read from its whole next-token distribution where
+  a teacher token could go on (`byte_credit`), less the student's, read the same way along the student's tokens
+  (the trainer's old-policy forward, `byte_credit.student_prefix_shift`). A student that writes "1", "3" where the
+  teacher writes " 13" is credited for each digit, and the two models' probabilities that the number stops after
+  "13" meet at the student token after it, which decides that. An identical teacher gives every token 0.
 - `chunk`: the chunk's log-prob stands on its last student token (`chunk_ends`) and every token of the chunk gets
   the chunk's advantage (`loss.opd_advantages`), which also credits each token with the choices after it in the
   chunk. On the addition task, with a teacher that writes numbers in multi-digit tokens, this drifts away from the
@@ -18,7 +20,10 @@ chunk, the teacher's log-prob is shared among the student's tokens one of two wa
 What is scored:
 - Each run of tokens the student sampled is its own text: up to each stop token (the student's end of turn), which
   becomes the teacher's end of turn (the token its template closes an assistant turn with), a chunk of one token on
-  each side.
+  each side. The text is read as plain text: characters that spell a special token (a student writing `<`, `|`,
+  `im`, `_end`, ... ) are read as those characters, never as the teacher's token; a special token the student
+  sampled as such is the teacher's token of the same text where it has one (`<|im_start|>`), else its text.
+  Where both vocabularies spell every id alike, the teacher reads the student's own ids.
 - Runs the student did not sample are context, and no chunk is made of them. Between two of the student's turns
   (multi-turn observations and the template tokens around them) the teacher reads its own rendering of the
   observations: the completion's messages through its chat template (`observations`), from its end of turn to its
@@ -41,7 +46,7 @@ from trl.trainer.utils import pad
 from ..alignment import ByteVocabulary, align_bytes
 from ..config import CROSS_CREDITS
 from .base import TeacherScorer, TeacherScores
-from .byte_credit import SERVED_EXTENSION_TOPK, byte_credit, token_anchors
+from .byte_credit import SERVED_EXTENSION_TOPK, byte_credit, sampled_parts, token_anchors
 from .local import LocalTeacher
 
 _MARKER = "OPD_END_OF_TURN_PROBE"
@@ -109,6 +114,13 @@ class CrossTokenizerTeacher:
         self.teacher = ByteVocabulary.of(teacher_tokenizer)
         self.student.check_lossless(role="student")
         self.teacher.check_lossless(role="teacher")
+        self.same_vocabulary = self.student.table == self.teacher.table and set(
+            self.student.tokenizer.added_tokens_decoder) == set(self.teacher.tokenizer.added_tokens_decoder)
+        # each student added token that the teacher has too, as text (`<|im_start|>`): the teacher's id of it
+        teacher_added = {token.content: index for index, token in self.teacher.tokenizer.added_tokens_decoder.items()}
+        self._counterparts = {index: teacher_added[token.content]
+                              for index, token in self.student.tokenizer.added_tokens_decoder.items()
+                              if token.content in teacher_added}
         self.teacher_tokenizer = self.teacher.tokenizer
         self.stop_ids = set(stop_ids)
         self.end_of_turn = end_of_turn_id(self.teacher_tokenizer)
@@ -167,8 +179,7 @@ class CrossTokenizerTeacher:
         return self._translate(ids, action, observations)[:3]
 
     def _translate(self, ids: list[int], action: list[int], observations: list[list[int]] | None = None):
-        """`translate`, plus each student token's anchor (see `token_anchors`; an end of turn: its teacher position
-        and no text), or None where not aligned."""
+        """`translate`, plus each student token's anchor (see `token_anchors`), or None where not aligned."""
         teacher_ids, teacher_chunk, student_chunk = [], [], [-1] * len(ids)
         anchors = [None] * len(ids)
         chunks = 0
@@ -180,34 +191,60 @@ class CrossTokenizerTeacher:
                     continue
                 if n in rendered:  # the teacher's own; its end of turn is the student's if the student sampled it
                     context = rendered[n]
-                    if ids[start - 1] in self.stop_ids and context[:1] == [self.end_of_turn]:
+                    if ids[start - 1] in self.stop_ids and teacher_ids[-1:] == context[:1] == [self.end_of_turn]:
                         context = context[1:]
                 else:
-                    context = self.teacher.encode_bytes(b"".join(self.student(ids[start:end])))
+                    context = self._read(ids[start:end])
                 teacher_ids += context
                 teacher_chunk += [-1] * len(context)
                 continue
-            part = start
-            for k in range(start, end + 1):
-                if k < end and ids[k] not in self.stop_ids:
-                    continue
+            for part, k, stopped in sampled_parts(ids[start:end], [1] * (end - start), self.stop_ids):
+                part, k = part + start, k + start
                 pieces = self.student(ids[part:k])
-                text_ids = self.teacher.encode_bytes(b"".join(pieces))
+                text_ids = self._read(ids[part:k])
                 teacher_pieces = self.teacher(text_ids)
                 own, theirs, count = align_bytes(pieces, teacher_pieces)
                 student_chunk[part:k] = [c + chunks if c >= 0 else -1 for c in own]
-                anchors[part:k] = token_anchors(pieces, teacher_pieces, own, offset=len(teacher_ids))
+                anchors[part : k + stopped] = token_anchors(pieces, teacher_pieces, own, offset=len(teacher_ids),
+                                                            stop=stopped)
                 teacher_ids += text_ids
                 teacher_chunk += [c + chunks if c >= 0 else -1 for c in theirs]
                 chunks += count
-                if k < end:  # the student's end of turn, scored as the teacher's
+                if stopped:  # the student's end of turn, scored as the teacher's
                     student_chunk[k] = chunks
-                    anchors[k] = (len(teacher_ids), None, None)
-                    teacher_ids.append(self.end_of_turn)
+                    teacher_ids.append(ids[k] if self.same_vocabulary else self.end_of_turn)
                     teacher_chunk.append(chunks)
                     chunks += 1
-                part = k + 1
         return teacher_ids, teacher_chunk, student_chunk, anchors
+
+    def _read(self, ids: list[int]) -> list[int]:
+        """The teacher's ids for the student's `ids` (sampled text, or context read as text): the same ids where both
+        vocabularies spell every id alike (the student's own tokenisation, which the teacher can score as it is);
+        else the text they spell, the teacher's way, as plain text (`ByteVocabulary.encode_bytes`: a special token
+        spelled out in characters is read as those characters), with each of the student's own added tokens read
+        as the teacher's token of the same text where it has one (`<|im_start|>` of two ChatML families) and as its
+        text elsewhere. Stops where the teacher has no token for a byte."""
+        if self.same_vocabulary:
+            return list(ids)
+        out, plain = [], []
+
+        def flush() -> bool:  # the plain text so far, the teacher's way; False if it could not spell all of it
+            data = b"".join(self.student(plain))
+            read = self.teacher.encode_bytes(data)
+            out.extend(read)
+            plain.clear()
+            return sum(map(len, self.teacher(read))) == len(data)
+
+        for token in ids:
+            counterpart = self._counterparts.get(token)
+            if counterpart is None:
+                plain.append(token)
+                continue
+            if not flush():
+                return out
+            out.append(counterpart)
+        flush()
+        return out
 
     def side_by_side(self, ids: list[int], action: list[int], observations: list[list[int]] | None = None, *,
                      width: int = 110) -> str:
