@@ -78,10 +78,11 @@ class OPDConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "With teacher_tokenizer_mode 'cross', how the teacher's log-prob of the sampled text is shared "
-            "among the student's tokens. 'byte' (the default): each student token gets the teacher's probability "
-            "of its bytes given the text before them, read from the teacher's whole next-token distribution where "
-            "a teacher token may go on (a served teacher's top 20 entries: a lower bound), so each token is "
-            "credited for its own choice only. 'chunk': the text is cut where both tokenisations have a boundary "
+            "among the student's tokens. 'byte' (the default): each student token gets both models' log-ratio of "
+            "its bytes given the text before them (each model's probability that the text goes on so, read from its "
+            "whole next-token distribution where a token may go on; a served teacher's top 20 entries: a lower "
+            "bound), so each token is credited for its own choice only and an identical teacher gives every token "
+            "0. 'chunk': the text is cut where both tokenisations have a boundary "
             "and every student token of a chunk gets the chunk's log-prob difference, which also credits a token "
             "with the choices after it inside the chunk (e.g. where a number ends); measured to drift where the "
             "teacher writes numbers in multi-digit tokens.",
