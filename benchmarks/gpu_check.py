@@ -1,7 +1,7 @@
 """The prepared GPU check: the GPU recipes' path on one GPU, with models built from real configs, in one JSON.
 
     python benchmarks/gpu_check.py --out gpu_check.json                      # one GPU, about 8 minutes
-    python benchmarks/gpu_check.py --wheels DIR --out gpu_check.json         # first install the wheels carried in DIR
+    python benchmarks/gpu_check.py --wheels DIR --out gpu_check.json         # first install gpu_wheels.py's bundle
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check.json       # CPU, tiny shapes (CI: keeps it working)
 
 It builds randomly initialised models from real shapes (a Qwen3-1.7B-shaped student with its tied head, a
@@ -17,8 +17,9 @@ word-level tokenizer over that vocabulary, then checks:
              and peak device memory of each, measured in the same run
 
 The machine it is made for has torch, transformers, peft and accelerate and reaches no package registry: what else
-it needs (trl, datasets, deepspeed, math-verify, this package) comes as wheels in `--wheels DIR`, installed with
-`pip install --no-index --find-links DIR` before anything else runs.
+it needs (trl, datasets, deepspeed, math-verify, this package) comes as the wheels `benchmarks/gpu_wheels.py` bundles
+into `--wheels DIR`, installed offline into WORK/site before anything else runs and imported from there first by this
+process and those it launches.
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def install_wheels(directory: Path) -> None:
-    """What the GPU machine lacks, from wheels carried beside this script (no registry there)."""
-    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(directory)]
-    subprocess.run([*pip, "trl==1.16.0", "datasets", "deepspeed", "math-verify"], check=True)
-    subprocess.run([*pip, "--no-deps", *map(str, directory.glob("trl_opd-*.whl"))], check=True)
+def install_wheels(directory: Path, target: Path) -> None:
+    """What the GPU machine lacks, from the wheels in `directory` (no registry there), installed into `target`, put
+    first on this process's path and on PYTHONPATH for the ones it launches (all of them `python -m`)."""
+    wheels = sorted(map(str, directory.glob("*.whl")))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                    "--upgrade", "--target", str(target), *wheels], check=True)
+    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
 
 
 def build_pair(directory: Path, *, dry_run: bool, vocab_size: int) -> dict[str, Path]:
@@ -254,18 +258,18 @@ def cost_part(pair, work: Path, *, dry_run: bool) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (what CI runs)")
-    parser.add_argument("--wheels", type=Path, help="install trl, datasets, deepspeed and trl_opd from these wheels")
+    parser.add_argument("--wheels", type=Path, help="first install the wheels benchmarks/gpu_wheels.py bundled here")
     parser.add_argument("--work", type=Path, default=Path("outputs/gpu_check"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--parts", nargs="+", default=["check", "zero3", "cost"], choices=["check", "zero3", "cost"])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.work.mkdir(parents=True, exist_ok=True)
     if args.wheels:
-        install_wheels(args.wheels)
+        install_wheels(args.wheels, (args.work / "site").resolve())
     import torch
 
-    args.work.mkdir(parents=True, exist_ok=True)
     report = {"dry_run": args.dry_run, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     start = time.perf_counter()
