@@ -42,20 +42,22 @@ demo: $(VENV)/.installed
 	$(PY) benchmarks/demo_seeds.py --compare outputs/addition
 
 # Real pretrained models (SmolLM2-135M-Instruct, Qwen2.5-Coder 0.5B/1.5B-Instruct) for the real-model tests and
-# benchmarks, built once into a cache by the machine's script (about 3.5 minutes and 1.7 GB the first time). Without
-# the script, the tests that need them are reported as skipped, with the reason.
-REAL_MODELS_SCRIPT ?= $(firstword $(wildcard ../shared/real-models.sh /work/shared/real-models.sh))
+# benchmarks, built once into a cache by the machine's script (about 3.5 minutes and 1.7 GB the first time). The
+# recipes and benchmarks name them by Hub id; OPD_MODELS_DIR pointed at the cache reads them from it, offline
+# (trl_opd/models_dir.py). Without the script, the tests that need them are reported as skipped, with the reason.
+REAL_MODELS_SCRIPT ?= $(wildcard ../shared/real-models.sh)
 REAL_MODELS ?= $(HOME)/.cache/real-models
 
 real-models: $(VENV)/.installed
 	@if [ -z "$(REAL_MODELS_SCRIPT)" ]; then \
 	  echo "No real-models.sh in ../shared: the real-model tests will be skipped (set REAL_MODELS_SCRIPT)"; \
 	else \
-	  PYTHON=$(PY) $(REAL_MODELS_SCRIPT) $(REAL_MODELS) && mkdir -p artifacts && ln -sfn $(REAL_MODELS) artifacts/real-models; \
+	  PYTHON=$(PY) $(REAL_MODELS_SCRIPT) $(REAL_MODELS) && \
+	  echo "To read them by Hub id here: export OPD_MODELS_DIR=$(REAL_MODELS)"; \
 	fi
 
 test: $(VENV)/.installed $(VLLM_VENV)/.installed real-models
-	OPD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(if $(REAL_MODELS_SCRIPT),OPD_REAL_MODELS=$(REAL_MODELS)) \
+	OPD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(if $(REAL_MODELS_SCRIPT),OPD_MODELS_DIR=$(REAL_MODELS)) \
 	  $(PY) -m pytest
 
 lint: $(VENV)/.installed

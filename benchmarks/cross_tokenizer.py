@@ -7,7 +7,8 @@ Two pairs, each trained with the sampled estimator (the one a cross-tokenizer te
   each credit (`teacher_cross_credit`: `byte`, the default, and `chunk`). Same steps, batch, learning rate and seed
   for all.
 - `real`: SmolLM2-135M-Instruct (its 49,152-token tokenizer, LoRA) from Qwen2.5-Coder-0.5B-Instruct (151,936 tokens)
-  on the code task (what a short Python program prints).
+  on the code task (what a short Python program prints), by Hub id: read from their copies in OPD_MODELS_DIR where it
+  is set (`trl_opd.models_dir`).
 
 Measured on held-out prompts, before and after, the same way whatever the teacher's tokenizer
 (`trl_opd.evaluation.heldout_text_reverse_kl`): KL(student || teacher) of the student's sampled completions,
@@ -17,6 +18,7 @@ quantity OPD lowers) and per character; the accuracy of the same samples and of 
     .venv/bin/trl-opd make-tiny-task artifacts/tiny_task
     .venv/bin/python benchmarks/cross_tokenizer.py --pair tiny --steps 300
     make real-models && .venv/bin/trl-opd make-code-task artifacts/code_task
+    export OPD_MODELS_DIR=~/.cache/real-models      # offline: where `make real-models` put the Hub's models
     .venv/bin/python benchmarks/cross_tokenizer.py --pair real --steps 24 --eval-prompts 100
 """
 
@@ -31,16 +33,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-REAL = Path("artifacts/real-models")
 PAIRS = {
     "tiny": dict(task="artifacts/tiny_task", student="student",
                  arms={"same tokenizer": ("teacher", "same", None),
                        "other family": ("teacher_other", "cross", "byte"),
                        "other family, chunk credit": ("teacher_other", "cross", "chunk")},
                  learning_rate=1e-4, batch_size=32, max_completion_length=40, lora_r=None),
-    "real": dict(task="artifacts/code_task", student=str(REAL / "smollm2-135m-instruct"),
-                 arms={"other family": (str(REAL / "qwen2.5-coder-0.5b-instruct"), "cross", "byte"),
-                       "other family, chunk credit": (str(REAL / "qwen2.5-coder-0.5b-instruct"), "cross", "chunk")},
+    "real": dict(task="artifacts/code_task", student="HuggingFaceTB/SmolLM2-135M-Instruct",
+                 arms={"other family": ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "cross", "byte"),
+                       "other family, chunk credit": ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "cross", "chunk")},
                  learning_rate=5e-4, batch_size=8, max_completion_length=16, lora_r=8),
 }
 
@@ -73,19 +74,21 @@ def run_arm(pair: str, arm: str, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_opd import OPDConfig, OPDTrainer
+    from trl_opd.models_dir import resolve_model
 
     settings = PAIRS[pair]
     task = Path(settings["task"])
     student_path = str(task / settings["student"]) if pair == "tiny" else settings["student"]
     teacher_name, mode, credit = settings["arms"][arm]
     teacher_path = str(task / teacher_name) if pair == "tiny" else teacher_name
+    student_dir, teacher_dir = resolve_model(student_path), resolve_model(teacher_path)  # the JSON keeps the names
     prompts = load_dataset("json", data_files=str(task / "train.jsonl"), split="train")
     heldout = [json.loads(line) for line in open(task / "heldout.jsonl")][: args.eval_prompts]
-    tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left")
-    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path)
+    tokenizer = AutoTokenizer.from_pretrained(student_dir, padding_side="left")
+    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     torch.manual_seed(args.seed)
-    student = AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32).eval()
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     before = evaluate(student, tokenizer, teacher, teacher_tokenizer, heldout, args, pair)
 
     peft = {}

@@ -48,7 +48,7 @@ def narrow_student(tiny: Path, destination: Path) -> Path:
     """The tiny student trained on answers 4x longer: a smaller gap to the teacher."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_opd.testing import train_on_answers
+    from trl_opd.tiny import train_on_answers
 
     if not (destination / "config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(tiny / "student")
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
 
-    from trl_opd.testing import make_tiny
+    from trl_opd.tiny import make_tiny
 
     tiny = make_tiny(args.tiny)
     if args.one:

@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args()
 
-    from trl_opd.testing import make_tiny
+    from trl_opd.tiny import make_tiny
 
     tiny = make_tiny(args.tiny)
     heldout = [json.loads(line)["prompt"] for line in open(tiny / "heldout.jsonl")][:32]

@@ -120,7 +120,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from trl_opd.comparison import describe_machine
-    from trl_opd.testing import DelayedTeacherProxy, TeacherServerProcess, make_tiny
+    from trl_opd.testing import DelayedTeacherProxy, TeacherServerProcess
+    from trl_opd.tiny import make_tiny
 
     tiny = make_tiny(args.tiny)
     teacher = AutoModelForCausalLM.from_pretrained(tiny / "teacher").eval()

@@ -1,9 +1,11 @@
 """OPD on the real pair against the alternatives: Qwen2.5-Coder-0.5B-Instruct (LoRA) from the 1.5B on the code task.
 
     make real-models && .venv/bin/trl-opd make-code-task artifacts/code_task
+    export OPD_MODELS_DIR=~/.cache/real-models      # offline: where `make real-models` put the Hub's models
     .venv/bin/python benchmarks/real_pair.py --steps 16 --methods opd trl-distillation
 
-The same student, teacher, prompts, LoRA (r 8), learning rate, completions per step and steps for every method
+The student and teacher are Hub ids (`--student`, `--teacher`), read from their copies in OPD_MODELS_DIR where it is
+set. The same student, teacher, prompts, LoRA (r 8), learning rate, completions per step and steps for every method
 (`trl_opd.comparison.run_method`, each in its own process for its peak memory). Held-out accuracy (with its binomial
 standard error), greedy and sampled at temperature 1, and exact KL(student || teacher) on the student's samples for
 `--eval-prompts` held-out programs, before and after; seconds per step with the held-out evaluations left out, and
@@ -25,15 +27,16 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-REAL = Path("artifacts/real-models")
-
 
 def run_one(method: str, args) -> dict:
     from datasets import load_dataset
 
     from trl_opd.comparison import run_method
     from trl_opd.envs.code_output import printed_output_reward
+    from trl_opd.models_dir import resolve_model
 
+    # resolved in the method's own process, so the JSON the parent writes keeps the names as given
+    args.student, args.teacher = resolve_model(args.student), resolve_model(args.teacher)
     prompts = load_dataset("json", data_files=str(Path(args.task) / "train.jsonl"), split="train")
     heldout = [json.loads(line) for line in open(Path(args.task) / "heldout.jsonl")]
     if method == "teacher":
@@ -98,8 +101,9 @@ def main() -> None:
     from trl_opd.comparison import METHODS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--student", default=str(REAL / "qwen2.5-coder-0.5b-instruct"))
-    parser.add_argument("--teacher", default=str(REAL / "qwen2.5-coder-1.5b-instruct"))
+    model_help = "a Hub id (read from its copy in OPD_MODELS_DIR where set) or a directory; default: %(default)s"
+    parser.add_argument("--student", default="Qwen/Qwen2.5-Coder-0.5B-Instruct", help=model_help)
+    parser.add_argument("--teacher", default="Qwen/Qwen2.5-Coder-1.5B-Instruct", help=model_help)
     parser.add_argument("--task", default="artifacts/code_task")
     parser.add_argument("--methods", nargs="+", default=["teacher", "opd", "trl-distillation", "opd-sampled"],
                         choices=["teacher", *METHODS], help="'teacher': the teacher evaluated the same way, untrained")

@@ -1,12 +1,13 @@
 """The real pair's gap on the code-output task: held-out accuracy of the Qwen2.5-Coder 1.5B teacher and 0.5B student.
 
-    PYTHON=.venv/bin/python ../shared/real-models.sh        # once: prints the models' directories
-    .venv/bin/trl-opd make-code-task artifacts/code_task
-    .venv/bin/python benchmarks/real_task_gap.py --student DIR_0.5B --teacher DIR_1.5B --prompts 200
+    make real-models && .venv/bin/trl-opd make-code-task artifacts/code_task
+    export OPD_MODELS_DIR=~/.cache/real-models      # offline: where `make real-models` put the Hub's models
+    .venv/bin/python benchmarks/real_task_gap.py --prompts 200
 
 Greedy and sampled at temperature 1 (no top-k, no top-p, no repetition penalty: the distribution OPD samples from),
 with the binomial standard error sqrt(p (1 - p) / n), and the mean completion length in tokens. The JSON keeps every
-number with the machine and date.
+number with the machine and date. Both models are Hub ids (`--student`, `--teacher`), read from their copies in
+OPD_MODELS_DIR where it is set.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl_opd.comparison import describe_machine
 from trl_opd.envs.addition import completion_texts
 from trl_opd.envs.code_output import printed_output_reward
+from trl_opd.models_dir import resolve_model
 
 
 def accuracy(texts: list[str], solutions: list[str]) -> dict:
@@ -33,8 +35,9 @@ def accuracy(texts: list[str], solutions: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--student", required=True)
-    parser.add_argument("--teacher", required=True)
+    model_help = "a Hub id (read from its copy in OPD_MODELS_DIR where set) or a directory; default: %(default)s"
+    parser.add_argument("--student", default="Qwen/Qwen2.5-Coder-0.5B-Instruct", help=model_help)
+    parser.add_argument("--teacher", default="Qwen/Qwen2.5-Coder-1.5B-Instruct", help=model_help)
     parser.add_argument("--heldout", default="artifacts/code_task/heldout.jsonl")
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -46,10 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts, solutions = [r["prompt"] for r in rows], [r["solution"] for r in rows]
     results = {"machine": describe_machine(), "date": time.strftime("%Y-%m-%d"), "heldout": args.heldout,
                "max_new_tokens": args.max_new_tokens, "models": {}}
-    for name, path in (("student", args.student), ("teacher", args.teacher)):
+    for name, model_name in (("student", args.student), ("teacher", args.teacher)):
+        path = resolve_model(model_name)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        results["models"][name] = {"path": str(path)}
+        results["models"][name] = {"model": model_name, "path": str(path)}
         for mode in ("greedy", "sampled"):
             start = time.perf_counter()
             texts, lengths = completion_texts(model, tokenizer, prompts, do_sample=mode == "sampled",

@@ -2,11 +2,13 @@
 rollouts, against the same checkpoint as a local teacher in this process.
 
     make real-models && .venv/bin/trl-opd make-code-task artifacts/code_task
+    export OPD_MODELS_DIR=~/.cache/real-models      # offline: where `make real-models` put the Hub's models
     .venv/bin/python benchmarks/served_real_teacher.py      # about 5 minutes on 2 cores, 10 GB of memory
 
 The 0.5B student samples completions to held-out prompts of the code task (temperature 1, the rollouts OPD trains
 on); both teachers score exactly those token ids. Prints the largest and the mean absolute difference of the
 per-token log-probs, whether the two agree on the teacher's argmax at each token, and the top-k log-probs' difference.
+Both models are Hub ids (`--student`, `--teacher`), read from their copies in OPD_MODELS_DIR where it is set.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_opd.comparison import describe_machine
 from trl_opd.evaluation import stop_token_ids, until_first_stop
+from trl_opd.models_dir import resolve_model
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
 from trl_opd.teachers.vllm_server import VLLMServerTeacher
@@ -48,8 +51,9 @@ def rollouts(student_dir: str, prompts: list, *, max_new_tokens: int, seed: int 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--student", default="artifacts/real-models/qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--teacher", default="artifacts/real-models/qwen2.5-coder-1.5b-instruct")
+    model_help = "a Hub id (read from its copy in OPD_MODELS_DIR where set) or a directory; default: %(default)s"
+    parser.add_argument("--student", default="Qwen/Qwen2.5-Coder-0.5B-Instruct", help=model_help)
+    parser.add_argument("--teacher", default="Qwen/Qwen2.5-Coder-1.5B-Instruct", help=model_help)
     parser.add_argument("--heldout", default="artifacts/code_task/heldout.jsonl")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -57,12 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-python", default=os.environ.get("OPD_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
     parser.add_argument("--json", default="benchmarks/results/served_real_teacher.json")
     args = parser.parse_args(argv)
+    student, teacher_dir = resolve_model(args.student), resolve_model(args.teacher)  # the JSON keeps the names
 
-    server = TeacherServerProcess(Path(args.teacher).resolve(), Path("/tmp/served_real_teacher.log"), args.vllm_python)
+    server = TeacherServerProcess(Path(teacher_dir).resolve(), Path("/tmp/served_real_teacher.log"), args.vllm_python)
     server.start()  # boots (a minute or two) while the student samples
     try:
         rows = [json.loads(line) for line in open(args.heldout)][: args.prompts]
-        tokenizer, batch = rollouts(args.student, [row["prompt"] for row in rows], max_new_tokens=args.max_new_tokens)
+        tokenizer, batch = rollouts(student, [row["prompt"] for row in rows], max_new_tokens=args.max_new_tokens)
         server.wait_ready()
         served = VLLMServerTeacher([server.url], batch_size=16, topk=args.topk)
         served.connect(tokenizer, student_name=args.student)
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         served_seconds = time.perf_counter() - start
     finally:
         server.stop()
-    teacher = freeze_teacher(AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32))
+    teacher = freeze_teacher(AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32))
     local = LocalTeacher(teacher, batch_size=16, topk=args.topk, student_vocab_size=len(tokenizer))
     start = time.perf_counter()
     local_scores = local.score(*batch)

@@ -62,7 +62,7 @@ class StageTimer:
 def main(argv: list[str] | None = None) -> None:
     from transformers import TrainerCallback
 
-    from trl_opd import cli
+    from trl_opd import recipe
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True)
@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trainer", choices=("opd", "trl-distillation"), default="opd")
     parser.add_argument("--json", help="write the breakdown here")
     args, overrides = parser.parse_known_args(argv)
-    script_args, training_args, model_args = cli.make_parser().parse_args_and_config([
+    script_args, training_args, model_args = recipe.make_parser().parse_args_and_config([
         "--config", args.recipe, "--max_steps", str(args.steps), "--eval_strategy", "no", "--eval_on_start", "false",
         "--save_strategy", "no",
         "--report_to", "none", "--logging_steps", "1", "--output_dir", "/tmp/step_breakdown", *overrides,
     ])
     timer = StageTimer()
     if args.trainer == "opd":
-        trainer = cli.build_trainer(script_args, training_args, model_args)
+        trainer = recipe.build_trainer(script_args, training_args, model_args)
         timer.wrap(trainer.teacher, "score", "teacher scoring")
         # the outermost stage first: input preparation (generation and scoring inside it) is not the update
         timer.wrap(trainer, "_prepare_inputs", "preparation")
@@ -130,7 +130,8 @@ def trl_distillation_trainer(script_args, training_args, model_args):
     from transformers import AutoModelForCausalLM
     from trl import DistillationConfig, DistillationTrainer, get_peft_config
 
-    from trl_opd import cli
+    from trl_opd import recipe
+    from trl_opd.models_dir import resolve_model
 
     same = ("max_steps", "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
             "max_completion_length", "temperature", "logging_steps", "lr_scheduler_type", "warmup_steps",
@@ -138,11 +139,13 @@ def trl_distillation_trainer(script_args, training_args, model_args):
             "disable_dropout")
     config = DistillationConfig(**{name: getattr(training_args, name) for name in same}, beta=1.0)
     dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else torch.float32
+    student, teacher = (resolve_model(name) for name in (model_args.model_name_or_path,
+                                                          training_args.teacher_model_name_or_path))
     return DistillationTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=dtype),
-        teacher_model=AutoModelForCausalLM.from_pretrained(training_args.teacher_model_name_or_path, dtype=dtype),
+        model=AutoModelForCausalLM.from_pretrained(student, dtype=dtype),
+        teacher_model=AutoModelForCausalLM.from_pretrained(teacher, dtype=dtype),
         args=config,
-        train_dataset=cli.load_prompts(script_args, script_args.dataset_train_split),
+        train_dataset=recipe.load_prompts(script_args, script_args.dataset_train_split),
         peft_config=get_peft_config(model_args),
     )
 

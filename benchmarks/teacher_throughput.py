@@ -17,8 +17,9 @@ Then, for the served teacher, one batch's time split into its stages, each timed
   that many sequences (HTTP, one engine request per sequence, the engine's steps) with almost no model compute.
 
 Starts its own server through `trl-opd serve-teacher` with vLLM's interpreter (`make test` builds `.venv-vllm`).
-The teacher is the tiny one of the test suite unless `--teacher` names a model directory: with a real model the
-model's own compute is most of the time, with the tiny one the fixed cost of a request is.
+The teacher is the tiny one of the test suite unless `--teacher` names a model (a directory, or a Hub id read from its
+copy in OPD_MODELS_DIR): with a real model the model's own compute is most of the time, with the tiny one the fixed
+cost of a request is.
 
     .venv/bin/python benchmarks/teacher_throughput.py [--lengths 24 256 1024] [--topk 0 5 20] [--json PATH]
     .venv/bin/python benchmarks/teacher_throughput.py --teacher DIR --lengths 256 --topk 0 20 --repeats 3
@@ -33,6 +34,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from trl_opd.models_dir import resolve_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,13 +56,14 @@ def timed(function, repeats: int) -> float:
 def served_stages(teacher, batch, repeats: int) -> dict[str, float]:
     """Median seconds of each stage of scoring `batch` in one request (see the module's docstring), through the
     stock `/v1/completions` and through the compact `/opd/score`."""
-    from trl_opd.teachers.vllm_server import _read_entries
+    from trl_opd.teachers.completions_response import completion_payload, read_entries
 
     prompt_ids, _, completion_ids, _ = batch
     prompts, completions = prompt_ids.tolist(), completion_ids.tolist()
     sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
     url = teacher.urls[0]
-    payload = teacher._completion_payload(url, sequences)
+    model = teacher.models.get(url, "")
+    payload = completion_payload(model, sequences, topk=teacher.topk)
     body = json.dumps(payload).encode()
     bare = json.dumps({**payload, "prompt_logprobs": None}).encode()
     compact = json.dumps({"sequences": sequences, "score_from": [len(p) for p in prompts],
@@ -77,14 +81,14 @@ def served_stages(teacher, batch, repeats: int) -> dict[str, float]:
 
     def read() -> None:
         for i, sequence_entries in enumerate(entries):
-            _read_entries(sequence_entries, prompts[i], completions[i], index=i, url=url, topk=teacher.topk)
+            read_entries(sequence_entries, prompts[i], completions[i], index=i, url=url, topk=teacher.topk)
 
     compact_content = post("/opd/score", compact)
     floor = json.dumps({"sequences": [sequence[:2] for sequence in sequences], "score_from": [1] * len(sequences),
                         "topk": teacher.topk}).encode()
     return {
         "compact_floor": timed(lambda: post("/opd/score", floor), repeats),
-        "build": timed(lambda: json.dumps(teacher._completion_payload(url, sequences)).encode(), repeats),
+        "build": timed(lambda: json.dumps(completion_payload(model, sequences, topk=teacher.topk)).encode(), repeats),
         "server_bare": timed(lambda: post("/v1/completions", bare), repeats),
         "server": timed(lambda: post("/v1/completions", body), repeats),
         "decode": timed(lambda: json.loads(content), repeats),
@@ -98,8 +102,9 @@ def served_stages(teacher, batch, repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", default="artifacts/tiny")
-    parser.add_argument("--teacher", type=Path, help="a model directory to serve and score with, instead of the tiny "
-                        "teacher (e.g. SmolLM2-135M-Instruct from ../shared/real-models.sh)")
+    parser.add_argument("--teacher", type=lambda name: Path(resolve_model(name)),
+                        help="a model directory or mirrored Hub id (OPD_MODELS_DIR) to serve and score with, instead "
+                        "of the tiny teacher (e.g. HuggingFaceTB/SmolLM2-135M-Instruct after `make real-models`)")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--lengths", type=int, nargs="+", default=[24, 256, 1024])
     parser.add_argument("--topk", type=int, nargs="+", default=[0, 5, 20])
@@ -115,7 +120,8 @@ def main() -> None:
     from trl_opd.teachers import LocalTeacher
     from trl_opd.teachers.local import freeze_teacher
     from trl_opd.teachers.vllm_server import VLLMServerTeacher
-    from trl_opd.testing import TeacherServerProcess, make_tiny
+    from trl_opd.testing import TeacherServerProcess
+    from trl_opd.tiny import make_tiny
 
     torch.set_num_threads(os.cpu_count())
     teacher_dir = args.teacher or make_tiny(args.tiny) / "teacher"

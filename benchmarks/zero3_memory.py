@@ -33,7 +33,7 @@ VOCAB, ROWS, COMPLETION = 65536, 16, 32
 
 
 def build_pair(directory: Path) -> None:
-    from trl_opd.testing import build_model, build_tokenizer, write_prompts
+    from trl_opd.tiny import build_model, build_tokenizer, write_prompts
 
     tokenizer = build_tokenizer()
     for name, hidden_size, seed in (("student", 128, 0), ("teacher", 192, 1)):

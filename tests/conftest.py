@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Paths of the tiny pair: `tiny / "student"`, `tiny / "teacher"`, `tiny / "train.jsonl"`, ..."""
-    from trl_opd.testing import make_tiny
+    from trl_opd.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny"))
 
@@ -121,6 +121,6 @@ def teacher_server(teacher_server_process):
 @pytest.fixture(scope="session")
 def tiny_other_teacher(tmp_path_factory):
     """A teacher of another model family for the tiny pair: its own tokenizer and chat template (a few seconds)."""
-    from trl_opd.testing import make_tiny_other_teacher
+    from trl_opd.tiny import make_tiny_other_teacher
 
     return make_tiny_other_teacher(tmp_path_factory.mktemp("tiny_other_teacher"))

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_opd import cli
+from trl_opd import cli, recipe
 
 SMOKE = str(Path(__file__).parents[1] / "recipes" / "smoke_cpu.yaml")
 
@@ -53,10 +53,10 @@ def test_missing_local_model_says_how_to_build_it(tmp_path, path, builder):
 def test_prompt_column_is_mapped_and_wrapped_as_a_chat_message(tmp_path):
     data = tmp_path / "questions.jsonl"
     data.write_text(json.dumps({"question": "What is 2 plus 2?", "prompt": "stale"}) + "\n")
-    script_args = cli.OPDScriptArguments(
+    script_args = recipe.OPDScriptArguments(
         dataset_name=str(data), prompt_column="question", prompt_as_user_message=True, system_prompt="Be brief."
     )
-    dataset = cli.load_prompts(script_args, "train")
+    dataset = recipe.load_prompts(script_args, "train")
     assert dataset[0]["prompt"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 plus 2?"},
@@ -85,14 +85,14 @@ def test_check_preflight_prints_zero_reference_kl_on_the_smoke_recipe(tiny, tmp_
 def test_reward_functions_load_by_name_or_import_path():
     from trl.rewards import accuracy_reward
 
-    from trl_opd.testing import arithmetic_answer_reward
+    from trl_opd.tiny import arithmetic_answer_reward
 
-    assert cli.load_reward_funcs(["accuracy_reward", "trl_opd.testing.arithmetic_answer_reward"]) == [
+    assert recipe.load_reward_funcs(["accuracy_reward", "trl_opd.tiny.arithmetic_answer_reward"]) == [
         accuracy_reward, arithmetic_answer_reward
     ]
     with pytest.raises(ValueError, match="Unknown reward function 'nope'"):
-        cli.load_reward_funcs(["nope"])
+        recipe.load_reward_funcs(["nope"])
     with pytest.raises(ValueError, match="Cannot import reward function 'no_such_module.f'"):
-        cli.load_reward_funcs(["no_such_module.f"])
+        recipe.load_reward_funcs(["no_such_module.f"])
     completions = [[{"role": "assistant", "content": "3 plus 4 is 7. The answer is 7."}], "It is 8."]
     assert arithmetic_answer_reward(completions, answer=["... The answer is 7.", "The answer is 7."]) == [1.0, 0.0]

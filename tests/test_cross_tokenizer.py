@@ -14,7 +14,7 @@ from trl_opd.loss import opd_advantages, opd_metric_sums, opd_metrics_from_sums
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.cross import CrossTokenizerTeacher
 from trl_opd.teachers.local import freeze_teacher
-from trl_opd.testing import OTHER_SPECIAL_TOKENS, build_model, other_family_tokenizer
+from trl_opd.tiny import OTHER_SPECIAL_TOKENS, build_model, other_family_tokenizer
 
 # the same text in both tokenisers, with characters of 2, 3 and 4 UTF-8 bytes that byte-level tokens split
 TEXTS = ["3 plus 4 is 7. The answer is 7.", "café 中文 🙂 → 12 times 3 is 36.", "naïve π ≥ 3, 数字 答案 üb"]
@@ -753,7 +753,7 @@ FAMILY_MARKERS = {  # each family's special tokens, its end of turn last
 def test_a_special_token_spelled_out_is_read_as_its_characters(family):
     """The teacher reads exactly the characters the student wrote: each family's markers written out in plain text
     are its ordinary tokens, never its special tokens (which its tokenizer alone would read them as)."""
-    from trl_opd.testing import _arithmetic_corpus, _byte_level_bpe
+    from trl_opd.tiny import _arithmetic_corpus, _byte_level_bpe
 
     specials = FAMILY_MARKERS[family]
     teacher_tokenizer = _byte_level_bpe(_arithmetic_corpus(["user", "assistant", "end", "turn"], seed=0),

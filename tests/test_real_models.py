@@ -1,26 +1,25 @@
 """Real pretrained models, with their real tokenizers and chat templates: SmolLM2-135M-Instruct trained for 2 steps,
 and the tokenizer check on the real Qwen2.5-Coder pair and on SmolLM2 against Qwen.
 
-`make test` builds the models once with `../shared/real-models.sh` (a cache in ~/.cache/real-models) and points
-OPD_REAL_MODELS at them.
+The models are named by Hub id and read through `resolve_model`: `make test` builds them once with
+`../shared/real-models.sh` (a cache in ~/.cache/real-models) and points OPD_MODELS_DIR at them.
 """
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 
 from trl_opd import cli
+from trl_opd.models_dir import resolve_model
 
-REAL = os.environ.get("OPD_REAL_MODELS")
+QWEN_05B, QWEN_15B = "Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 needs_real_models = pytest.mark.skipif(
-    not REAL, reason="OPD_REAL_MODELS is unset: `make test` builds the real models with ../shared/real-models.sh")
+    not all(Path(resolve_model(name)).is_dir() for name in (QWEN_05B, QWEN_15B, SMOLLM2)),
+    reason="the real models are not local: set OPD_MODELS_DIR to a directory that holds them (`make real-models` "
+           "builds them with ../shared/real-models.sh and prints the export)")
 ROOT = Path(__file__).parents[1]
-
-
-def _model(name: str) -> str:
-    return str(Path(REAL) / name)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +30,10 @@ def code_task(tmp_path_factory):
 
 
 def _train_smollm2(code_task, output_dir, *extra):
-    smollm2 = _model("smollm2-135m-instruct")
+    # by Hub id, as a recipe names it: build_trainer reads it from OPD_MODELS_DIR
     args = cli.make_parser().parse_args_and_config([
-        "--config", str(ROOT / "recipes" / "smoke_cpu.yaml"), "--model_name_or_path", smollm2,
-        "--teacher_model_name_or_path", smollm2, "--dataset_name", str(code_task / "train.jsonl"),
+        "--config", str(ROOT / "recipes" / "smoke_cpu.yaml"), "--model_name_or_path", SMOLLM2,
+        "--teacher_model_name_or_path", SMOLLM2, "--dataset_name", str(code_task / "train.jsonl"),
         "--output_dir", str(output_dir), "--max_steps", "2", "--logging_steps", "1", "--lora_r", "8",
         "--lora_alpha", "16", "--per_device_train_batch_size", "4", "--max_completion_length", "16", *extra,
     ])
@@ -66,8 +65,8 @@ def test_tokenizer_check_passes_for_the_qwen_pair_and_refuses_smollm2_against_qw
 
     from trl_opd.checks import check_tokenizers_compatible
 
-    student, teacher, smollm2 = (AutoTokenizer.from_pretrained(_model(name)) for name in (
-        "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"))
+    student, teacher, smollm2 = (AutoTokenizer.from_pretrained(resolve_model(name))
+                                 for name in (QWEN_05B, QWEN_15B, SMOLLM2))
     check_tokenizers_compatible(student, teacher, student_name="0.5B", teacher_name="1.5B")
     with pytest.raises(ValueError, match=r"tokenizers differ: token id 0 is '<\|endoftext\|>' for the student and "
                                          r"'!' for the teacher"):
@@ -82,8 +81,7 @@ def test_a_qwen_teacher_reads_a_smollm2_students_tool_result_through_qwens_templ
 
     from trl_opd.teachers.cross import CrossTokenizerTeacher
 
-    student, teacher = (AutoTokenizer.from_pretrained(_model(name)) for name in (
-        "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"))
+    student, teacher = (AutoTokenizer.from_pretrained(resolve_model(name)) for name in (SMOLLM2, QWEN_05B))
     cross = CrossTokenizerTeacher(None, student_tokenizer=student, teacher_tokenizer=teacher,
                                   stop_ids=[student.eos_token_id])
     prompt = [{"role": "user", "content": "What is (3 + 5) * 7?"}]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_opd import cli
+from trl_opd import cli, recipe
 from trl_opd.teachers.vllm_server import TeacherServerError, VLLMServerTeacher
 from trl_opd.testing import LoopbackHTTPServer, free_port
 
@@ -208,14 +208,14 @@ def test_evaluation_on_the_training_file_is_refused_before_anything_loads(tmp_pa
                 "--output_dir", str(tmp_path / "out"), "--eval_strategy", "steps", *extra]
         script_args, training_args, model_args = cli.make_parser().parse_args_and_config(argv)
         with pytest.raises(ValueError, match=r"Evaluation would read the training prompts: .* eval_dataset_name"):
-            cli.check_held_out(script_args)
+            recipe.check_held_out(script_args)
     script_args.eval_dataset_name = _jsonl(tmp_path / "heldout.jsonl", [{"prompt": "b"}])
-    cli.check_held_out(script_args)  # a separate file is fine
+    recipe.check_held_out(script_args)  # a separate file is fine
 
 
 def test_the_teachers_prompt_column_is_built_by_the_students_rules(tmp_path):
     data = _jsonl(tmp_path / "q.jsonl", [{"prompt": "What is 2 plus 2?", "hinted": "Hint: 4. What is 2 plus 2?"}])
-    wrapped = cli.load_prompts(cli.OPDScriptArguments(dataset_name=data, prompt_as_user_message=True,
+    wrapped = recipe.load_prompts(recipe.OPDScriptArguments(dataset_name=data, prompt_as_user_message=True,
                                                       system_prompt="Be brief."),
                                "train", teacher_prompt_column="hinted")[0]
     system = {"role": "system", "content": "Be brief."}
@@ -225,12 +225,12 @@ def test_the_teachers_prompt_column_is_built_by_the_students_rules(tmp_path):
     # chat prompts and no wrapping: the system prompt still goes to both, never silently dropped
     chat = _jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "Hi"}],
                                              "hinted": [{"role": "user", "content": "Hint. Hi"}]}])
-    row = cli.load_prompts(cli.OPDScriptArguments(dataset_name=chat, system_prompt="Be brief."), "train",
+    row = recipe.load_prompts(recipe.OPDScriptArguments(dataset_name=chat, system_prompt="Be brief."), "train",
                            teacher_prompt_column="hinted")[0]
     assert row["prompt"] == [system, {"role": "user", "content": "Hi"}]
     assert row["hinted"] == [system, {"role": "user", "content": "Hint. Hi"}]
     with pytest.raises(ValueError, match=r"system_prompt goes in front of chat prompts, but the 'prompt' column"):
-        cli.load_prompts(cli.OPDScriptArguments(dataset_name=data, system_prompt="Be brief."), "train")
+        recipe.load_prompts(recipe.OPDScriptArguments(dataset_name=data, system_prompt="Be brief."), "train")
 
 
 # ------------------------------------------------------------------------------------------ late or unnamed failures
@@ -329,7 +329,7 @@ def test_an_empty_prompt_file_is_refused_by_name(tmp_path):
             "--dataset_name", str(empty), "--prompt_as_user_message", "true", "--system_prompt", "Be brief."]
     script_args, training_args, model_args = cli.make_parser().parse_args_and_config(argv)
     with pytest.raises(ValueError, match=r"Dataset file '.*empty.jsonl' is empty: there are no prompts in it"):
-        cli.load_prompts(script_args, "train")
+        recipe.load_prompts(script_args, "train")
 
 
 def test_serve_teacher_without_vllm_says_what_to_install_before_claiming_to_serve(tmp_path, capsys):

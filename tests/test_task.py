@@ -47,11 +47,11 @@ def test_heldout_pairs_are_in_no_training_set(tiny_task):
 def test_a_teacher_that_stays_under_the_bar_starts_over_and_the_better_one_is_kept(tmp_path, monkeypatch):
     """With a bar no teacher can reach, the builder trains a second teacher from another initialisation and keeps
     the one with the higher sampled accuracy, as accuracy.json records."""
-    from trl_opd import testing
+    from trl_opd import tiny
     from trl_opd.envs import addition
 
     seeds, measured = [], []
-    build_model, task_accuracy = testing.build_model, addition.task_accuracy
+    build_model, task_accuracy = tiny.build_model, addition.task_accuracy
 
     def recording_build(tokenizer, *, hidden_size, seed):
         seeds.append(seed)
@@ -62,7 +62,7 @@ def test_a_teacher_that_stays_under_the_bar_starts_over_and_the_better_one_is_ke
         measured.append((kwargs.get("do_sample", False), value))
         return value
 
-    monkeypatch.setattr(testing, "build_model", recording_build)
+    monkeypatch.setattr(tiny, "build_model", recording_build)
     monkeypatch.setattr(addition, "task_accuracy", recording_accuracy)
     addition.make_tiny_task(tmp_path, student_steps=2, teacher_steps=4, teacher_min_sampled=1.01,
                             teacher_max_rounds=0, teacher_max_inits=2)

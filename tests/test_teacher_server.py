@@ -225,7 +225,7 @@ def test_rows_routed_to_a_served_and_a_local_teacher(teacher_server, tiny, make_
 
 
 def test_student_with_another_tokenizer_is_refused_at_start_up(teacher_server, prompts, make_config, tmp_path):
-    from trl_opd.testing import build_model, build_tokenizer
+    from trl_opd.tiny import build_model, build_tokenizer
 
     other = build_tokenizer(vocab_size=300)
     build_model(other).save_pretrained(tmp_path / "other")

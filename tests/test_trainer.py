@@ -133,7 +133,7 @@ def test_num_generations_one_is_allowed_and_groups_still_work(make_config):
 
 
 def test_mismatched_tokenizer_fails_naming_both_models_and_the_token(tiny, prompts, make_config, tmp_path):
-    from trl_opd.testing import build_model, build_tokenizer
+    from trl_opd.tiny import build_model, build_tokenizer
 
     other = build_tokenizer(vocab_size=300)  # other merges: the same ids mean other strings
     build_model(other).save_pretrained(tmp_path / "other")
@@ -144,7 +144,7 @@ def test_mismatched_tokenizer_fails_naming_both_models_and_the_token(tiny, promp
 
 
 def test_teacher_with_smaller_vocabulary_fails(tiny, tokenizer, prompts, make_config, tmp_path):
-    from trl_opd.testing import build_model
+    from trl_opd.tiny import build_model
 
     small = build_model(tokenizer, vocab_size=len(tokenizer) - 10)
     small.save_pretrained(tmp_path / "small")

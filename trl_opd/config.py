@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from trl import GRPOConfig
 
-from .secrets import has_credentials, masked
-from .teachers.vllm_server import check_server_address, is_served
-
-OPD_OBJECTIVES = ("clipped", "importance_sampling")
-REWARD_COMBINATIONS = ("loss", "advantage")
-OPD_ESTIMATORS = ("sampled", "topk", "full")
-TOKENIZER_MODES = ("same", "cross")
-CROSS_CREDITS = ("byte", "chunk")
-# GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+from .config_checks import (
+    CROSS_CREDITS,
+    OPD_ESTIMATORS,
+    OPD_OBJECTIVES,
+    REWARD_COMBINATIONS,
+    TOKENIZER_MODES,
+    check_options,
+    resolve_estimator,
+)
+from .secrets import masked
+from .teachers.vllm_server import is_served
 
 
 class _UngroupedOne(int):
@@ -302,35 +301,7 @@ class OPDConfig(GRPOConfig):
     def resolve_estimator(self, teacher_model=None) -> None:
         """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known, and
         refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""
-        source = self.teacher_source(teacher_model)
-        _check_tokenizer_mode(self, source)
-        _check_overlap(self, source)
-        if self.opd_estimator is None and self.teacher_tokenizer_mode == "cross":
-            self.opd_estimator = "sampled"
-        if self.opd_estimator is None:
-            if source == "local":
-                self.opd_estimator = "full"
-            elif source == "served":
-                self.opd_estimator = "topk"
-            else:
-                self.opd_estimator = "sampled"
-        _check_estimator_source(self.opd_estimator, source)
-        if self.opd_coef is None:
-            self.opd_coef = 1.0 if self.opd_estimator == "sampled" else 0.0
-        if self.opd_estimator == "sampled" and self.opd_dense_coef is not None:
-            raise ValueError(
-                f"opd_dense_coef={self.opd_dense_coef} weighs the dense term of 'topk' and 'full', and "
-                "opd_estimator='sampled' has none. Scale the sampled term with opd_coef, or choose a dense estimator."
-            )
-        if self.opd_estimator != "topk" and self.opd_topk is not None:
-            raise ValueError(
-                f"opd_topk={self.opd_topk} is the k of opd_estimator='topk', and this run uses "
-                f"{self.opd_estimator!r}. Remove it, or set opd_estimator: topk."
-            )
-        if self.opd_estimator != "sampled" and self.opd_dense_coef is None:
-            self.opd_dense_coef = 1.0
-        if self.opd_estimator == "topk" and self.opd_topk is None:
-            self.opd_topk = 20
+        resolve_estimator(self, self.teacher_source(teacher_model))
 
     def __getstate__(self) -> dict:
         """What pickling keeps, e.g. `training_args.bin` in the output directory and every checkpoint: no Hub token,
@@ -352,197 +323,8 @@ class OPDConfig(GRPOConfig):
         finally:
             if isinstance(self.num_generations, _UngroupedOne):
                 self.num_generations = 1
-        if self.opd_objective not in OPD_OBJECTIVES:
-            raise ValueError(f"opd_objective must be one of {OPD_OBJECTIVES}, got {self.opd_objective!r}.")
-        if self.opd_objective == "importance_sampling" and self.loss_type not in CLIPPED_LOSS_TYPES:
-            raise ValueError(
-                f"opd_objective='importance_sampling' removes the clipping of a clipped objective, but loss_type="
-                f"{self.loss_type!r} has none. Use one of {CLIPPED_LOSS_TYPES}, or opd_objective='clipped'."
-            )
-        if not 0.0 <= self.opd_divergence_beta <= 1.0:
-            raise ValueError(f"opd_divergence_beta must be in [0, 1] (0 forward KL, 1 reverse KL), got "
-                             f"{self.opd_divergence_beta}.")
-        for name in ("opd_coef", "opd_dense_coef", "opd_loss_coef", "kl_discount_factor", "teacher_temperature"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value}.")
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be at least 1 token, got {self.max_completion_length}.")
-        if self.max_steps == 0 or (self.max_steps < 0 and self.num_train_epochs <= 0):
-            raise ValueError(
-                f"Nothing to train: max_steps={self.max_steps}, num_train_epochs={self.num_train_epochs}. Set "
-                "max_steps > 0, or num_train_epochs > 0 with max_steps unset (-1)."
-            )
-        if not self.teacher_server_timeout > 0:
-            raise ValueError(f"teacher_server_timeout must be positive (seconds), got {self.teacher_server_timeout}.")
-        if not self.teacher_server_startup_timeout >= 0:
-            raise ValueError("teacher_server_startup_timeout must be 0 or more (seconds), got "
-                             f"{self.teacher_server_startup_timeout}.")
-        if self.teacher_server_max_retries < 0:
-            raise ValueError(f"teacher_server_max_retries must be 0 or more, got {self.teacher_server_max_retries}.")
-        if not 0.0 <= self.kl_discount_factor < 1.0:
-            raise ValueError(f"kl_discount_factor must be in [0, 1), got {self.kl_discount_factor}.")
         if self.teacher_model_name_or_path == "":
             self.teacher_model_name_or_path = None  # `--teacher_model_name_or_path ""` unsets a recipe's teacher
         if isinstance(self.teacher_server_url, str):
             self.teacher_server_url = [self.teacher_server_url]
-        if self.teachers is not None and not isinstance(self.teachers, dict):
-            raise ValueError(
-                f"teachers must be a mapping of teacher names to a model path/Hub id or server URL(s), e.g. "
-                f"{{\"math\": \"Qwen/Qwen3-8B\"}}; got {type(self.teachers).__name__} "
-                f"{masked(str(self.teachers))[:100]!r}."
-            )
-        named = {"teacher_model_name_or_path": [self.teacher_model_name_or_path],
-                 "teacher_server_url": self.teacher_server_url or []}
-        for name, source in (self.teachers or {}).items():
-            named[f"teachers[{name!r}]"] = source if isinstance(source, list) else [source]
-        for option, values in named.items():
-            for value in values:
-                check_server_address(option, value)
-        urls = [value for values in named.values() for value in values]
-        if any(has_credentials(url) for url in urls):
-            warnings.warn(
-                "A teacher server URL carries credentials (user:password@host). trl_opd masks them in everything it "
-                "writes or prints, but a URL is not the place for a secret: put an API key in an environment "
-                "variable and name it in teacher_server_api_key_env.", stacklevel=2,
-            )
-        sources = {
-            "teacher_model_name_or_path": self.teacher_model_name_or_path,
-            "teacher_server_url": self.teacher_server_url,
-            "ref_as_teacher": self.ref_as_teacher,
-            "teacher_is_student_base": self.teacher_is_student_base,
-            "teachers": self.teachers,
-        }
-        chosen = [name for name, value in sources.items() if value]
-        if len(chosen) > 1:
-            raise ValueError(f"Choose one teacher source, not {' and '.join(chosen)}.")
-        if self.teacher_adapter_name_or_path and chosen and chosen != ["teacher_model_name_or_path"]:
-            raise ValueError(
-                "teacher_adapter_name_or_path goes onto a local teacher model (teacher_model_name_or_path), "
-                f"not {chosen[0]}."
-            )
-        if self.teacher_system_prompt and self.teacher_prompt_column:
-            raise ValueError("Set teacher_system_prompt or teacher_prompt_column, not both.")
-        if self.opd_estimator is not None and self.opd_estimator not in OPD_ESTIMATORS:
-            raise ValueError(f"opd_estimator must be one of {OPD_ESTIMATORS}, got {self.opd_estimator!r}.")
-        _check_estimator_source(self.opd_estimator, self.teacher_source())
-        if self.teacher_tokenizer_mode not in TOKENIZER_MODES:
-            raise ValueError(f"teacher_tokenizer_mode must be one of {TOKENIZER_MODES}, got "
-                             f"{self.teacher_tokenizer_mode!r}.")
-        if self.teacher_cross_credit not in (None, *CROSS_CREDITS):
-            raise ValueError(f"teacher_cross_credit must be one of {CROSS_CREDITS}, got {self.teacher_cross_credit!r}.")
-        _check_tokenizer_mode(self, self.teacher_source())
-        _check_overlap(self, self.teacher_source())
-        if self.opd_topk is not None and self.opd_topk < 1:
-            raise ValueError(f"opd_topk must be at least 1, got {self.opd_topk}.")
-        if self.opd_reward_combination not in REWARD_COMBINATIONS:
-            raise ValueError(
-                f"opd_reward_combination must be one of {REWARD_COMBINATIONS}, got {self.opd_reward_combination!r}."
-            )
-        if self.teacher_temperature <= 0:
-            raise ValueError(f"teacher_temperature must be positive, got {self.teacher_temperature}.")
-        if self.teacher_batch_size is not None and self.teacher_batch_size < 1:
-            raise ValueError(f"teacher_batch_size must be a positive integer, got {self.teacher_batch_size}.")
-
-
-# The teacher sources that can provide each dense estimator's teacher side
-_ESTIMATOR_SOURCES = {
-    "full": ("local",),  # the teacher's final hidden states, kept from its scoring pass
-    "topk": ("local", "served"),  # the teacher's top-k tokens and log-probs at every position
-}
-
-
-def _check_estimator_source(estimator: str | None, source: str | None) -> None:
-    if estimator not in _ESTIMATOR_SOURCES or source is None or source in _ESTIMATOR_SOURCES[estimator]:
-        return
-    named = {"served": "a served teacher (a server URL)", "reference": "ref_as_teacher",
-             "student_base": "teacher_is_student_base", "routed": "routed teachers (teachers)"}[source]
-    if estimator == "full":
-        raise ValueError(
-            f"opd_estimator='full' needs the teacher's hidden states, which only one local teacher model provides "
-            f"(teacher_model_name_or_path, or a model or path as teacher_model), not {named}. "
-            + ("opd_estimator='topk' works with a served teacher." if source == "served"
-               else "Use opd_estimator='sampled'.")
-        )
-    raise ValueError(
-        f"opd_estimator='topk' needs one teacher model, local or served, not {named}. Use opd_estimator='sampled'."
-    )
-
-
-def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
-    """What a cross-tokenizer teacher can and cannot do, refused before anything loads."""
-    if args.teacher_tokenizer_mode != "cross":
-        if args.teacher_cross_credit is not None:
-            raise ValueError(
-                f"teacher_cross_credit={args.teacher_cross_credit!r} shares a cross-tokenizer teacher's log-probs "
-                "among the student's tokens; a same-tokenizer teacher scores every token itself. Remove it, or set "
-                "teacher_tokenizer_mode: cross."
-            )
-        if args.teacher_tokenizer_name_or_path is not None:
-            raise ValueError(
-                "teacher_tokenizer_name_or_path is the tokenizer of a teacher from another model family, used with "
-                "teacher_tokenizer_mode: cross. A same-tokenizer teacher scores the student's ids with the student's "
-                "tokenizer: remove it, or set teacher_tokenizer_mode: cross."
-            )
-        return
-    if source in ("reference", "student_base"):
-        raise ValueError(
-            f"teacher_tokenizer_mode 'cross' is for a teacher with its own tokenizer; "
-            f"{'ref_as_teacher' if source == 'reference' else 'teacher_is_student_base'} is the student's own model. "
-            "Remove teacher_tokenizer_mode."
-        )
-    tokenizers = args.teacher_tokenizer_name_or_path
-    if isinstance(tokenizers, dict):
-        if source != "routed":
-            raise ValueError(
-                "teacher_tokenizer_name_or_path is a mapping of routed teacher names to tokenizers, but there are no "
-                "routed `teachers`: give the one teacher's tokenizer as a path or Hub id."
-            )
-        unknown = sorted(set(tokenizers) - set(args.teachers))
-        if unknown:
-            raise ValueError(f"teacher_tokenizer_name_or_path names {unknown[0]!r}, which is not among the routed "
-                             f"teachers {sorted(args.teachers)}.")
-    if source == "routed" and not isinstance(tokenizers, str):
-        for name, teacher in args.teachers.items():
-            if is_served(teacher) and name not in (tokenizers or {}):
-                raise ValueError(
-                    f"teachers[{name!r}] is served, and a served teacher's tokenizer cannot be read from the server: "
-                    "name it in teacher_tokenizer_name_or_path, e.g. "
-                    f"{{{name!r}: <the served model's path or Hub id>}}."
-                )
-    if args.opd_estimator not in (None, "sampled"):
-        raise ValueError(
-            f"opd_estimator={args.opd_estimator!r} compares the two models over one vocabulary at every position, "
-            "and a teacher with another tokenizer has another vocabulary. Use opd_estimator='sampled' (the default "
-            "with teacher_tokenizer_mode 'cross'), which scores the sampled text exactly."
-        )
-
-
-def _check_overlap(args: OPDConfig, source: str | None) -> None:
-    """What `opd_overlap_scoring` needs, refused before anything loads: a teacher off the trainer's devices, and at
-    most one update between sampling a batch and training on it."""
-    if not args.opd_overlap_scoring:
-        return
-    routed_local = source == "routed" and not all(is_served(teacher) for teacher in args.teachers.values())
-    if source in ("local", "reference", "student_base") or routed_local:
-        named = {"local": "a local teacher model", "reference": "ref_as_teacher",
-                 "student_base": "teacher_is_student_base"}.get(source, "routed teachers with a local model")
-        raise ValueError(
-            f"opd_overlap_scoring overlaps a served teacher's scoring with the student's update, and {named} runs on "
-            "the trainer's own devices, between the same steps: there is nothing to overlap. Serve the teacher "
-            "(`trl-opd serve-teacher MODEL`, then teacher_server_url), or remove opd_overlap_scoring."
-        )
-    if args.num_iterations != 1:
-        raise ValueError(
-            f"opd_overlap_scoring trains each batch one update after the policy that sampled it; num_iterations="
-            f"{args.num_iterations} would train it again later, more updates stale. Set num_iterations: 1, or "
-            "remove opd_overlap_scoring."
-        )
-    if args.steps_per_generation not in (None, args.gradient_accumulation_steps):
-        raise ValueError(
-            f"opd_overlap_scoring needs one optimizer step per generation batch, and steps_per_generation="
-            f"{args.steps_per_generation} with gradient_accumulation_steps={args.gradient_accumulation_steps} makes "
-            f"{args.steps_per_generation / args.gradient_accumulation_steps:g}, so a batch's last micro-batches would "
-            "be more than one update stale. Leave steps_per_generation unset (or equal to "
-            "gradient_accumulation_steps), or remove opd_overlap_scoring."
-        )
+        check_options(self)

@@ -35,7 +35,9 @@ class _ForwardOnly:
 
 
 class DenseLossMixin:
-    """Mixed into OPDTrainer before GRPOTrainer; `_policy_loss` is the trainer's."""
+    """Mixed into OPDTrainer before GRPOTrainer. Reads GRPO's `args`, `accelerator`, `model`, `_metrics`, `beta`,
+    `reward_funcs`, `temperature`, `_entropy_bonus_enabled` and `aux_loss_enabled`, the trainer's `teacher`, and
+    calls the two methods declared at the end, which other bases of OPDTrainer provide."""
 
     _forward_redirection = _ForwardRedirection()
 
@@ -143,3 +145,12 @@ class DenseLossMixin:
         self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
         return per_token.sum() / normalizer
 
+    # ------------------------------------------------------------------ provided by OPDTrainer's other bases
+
+    def _policy_loss(self, model, inputs) -> torch.Tensor:
+        """GRPO's loss on the batch's advantages (`policy.PolicyObjectiveMixin`)."""
+        raise NotImplementedError
+
+    def _log_deferred_metrics(self, inputs, old) -> None:
+        """The `opd/*` metrics of a micro-batch from the loss forward's log-probs `old` (`metrics.OPDMetricsMixin`)."""
+        raise NotImplementedError

@@ -160,6 +160,40 @@ def pushing(output_dir, repo_id: str, *, token: str | None = None):
         ) from None
 
 
+class HubMixin:
+    """Mixed into OPDTrainer before GRPOTrainer: the Trainer's Hub hooks with this package's model card, and an early
+    stop when the repo cannot be created. Reads the Trainer's `args` and `is_world_process_zero`."""
+
+    card_recipe: str | None = None  # what the model card names as the recipe and the dataset (set by the CLI)
+    card_dataset: str | None = None
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs):
+        """This package's model card (`hub.write_model_card`) in output_dir, which every push of the Trainer's
+        uploads: the end of training and, through `_push_from_checkpoint`, each save under `hub_strategy`."""
+        if not self.is_world_process_zero():
+            return
+        write_model_card(self, self.args.output_dir, recipe=self.card_recipe,
+                         dataset=dataset_name or self.card_dataset, is_adapter=kwargs.get("is_adapter"))
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """The Trainer creates the repo when it is built with push_to_hub: if the Hub cannot take it, stop now, with
+        the reason (never the token), before anything is trained."""
+        try:
+            super().init_hf_repo(token=token, private=private)
+        except Exception as error:
+            repo_id = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+            raise HubPushError(
+                f"Could not create the Hub repo {repo_id!r} ({hub_reason(error, token or self.args.hub_token)}), so "
+                "nothing was trained. Check the network and the token, or set push_to_hub: false and push the "
+                "output later with `trl-opd push OUTPUT_DIR --repo-id ORG/NAME`."
+            ) from None
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self.is_world_process_zero() and self.args.hub_strategy != "end":  # the card goes up with the checkpoint
+            self.create_model_card(is_adapter=(Path(checkpoint_folder) / "adapter_config.json").exists())
+        super()._push_from_checkpoint(checkpoint_folder)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-opd push", description="Push a trained output directory to the Hub.")
     parser.add_argument("output_dir")
@@ -172,3 +206,4 @@ def main(argv: list[str] | None = None) -> None:
     except HubPushError as error:
         raise SystemExit(str(error)) from None
     print(json.dumps({"pushed": args.output_dir, "to": url}))
+

@@ -57,7 +57,16 @@ class CompletionTokenCount(TrainerCallback, ExportableState):
 
 
 class OPDMetricsMixin:
-    """Mixed into OPDTrainer before GRPOTrainer: `training_step` and `log` call `super()`."""
+    """Mixed into OPDTrainer before GRPOTrainer: `train`, `training_step` and `log` call `super()`. Reads GRPO's
+    `accelerator`, `model`, `_metrics`, `_logs`, `reward_funcs`, `reward_func_names`, `reward_processing_classes` and
+    the Trainer's `callback_handler`, the trainer's `accuracy_func`, and calls `_check_finite` (declared at the end,
+    `runs.RunSafetyMixin` provides it)."""
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """A resumed run goes on counting completion tokens from its checkpoint's count."""
+        if resume_from_checkpoint:  # a checkpoint's path (`RunSafetyMixin.train` has resolved `True`)
+            self._token_count.restore(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _init_opd_metrics(self) -> None:
         self.add_callback(CompletionTokenCount())
@@ -173,3 +182,9 @@ class OPDMetricsMixin:
             logs["data/completion_tokens_total"] = self._token_count.total
             self._window_tokens, self._window_start = 0, now
         super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ provided by OPDTrainer's other bases
+
+    def _check_finite(self, teacher_logps, old_logps, mask) -> None:
+        """Fail on every rank at once if a scored token's log-prob is not finite (`runs.RunSafetyMixin`)."""
+        raise NotImplementedError

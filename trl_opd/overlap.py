@@ -17,9 +17,12 @@ vLLM generation, corrects for the difference. `opd/staleness` logs the updates b
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from .teachers import TeacherScores
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,9 @@ class _Scoring:
 
 
 class OverlapScoringMixin:
-    """Mixed into OPDTrainer; inert unless `args.opd_overlap_scoring`. Every method calls `super()`."""
+    """Mixed into OPDTrainer; inert unless `args.opd_overlap_scoring`. Every method calls `super()`. Reads the
+    Trainer's `args`, `model`, `state` and GRPO's `_metrics`, and calls the trainer's generation and scoring
+    steps, declared at the end."""
 
     def train(self, *args, **kwargs):
         self._lookahead = None  # the next window's generation batch, taken early from the data loader
@@ -90,3 +95,21 @@ class OverlapScoringMixin:
         self._old_policy_pass(output)  # trained one update later: pi_old is this policy's
         request = self._teacher_request(inputs, output)
         return _Scoring(inputs, output, self._scoring_pool.submit(request), self.state.global_step)
+
+    # ------------------------------------------------------------------ provided by OPDTrainer and its other bases
+
+    def _generate_for_teacher(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """GRPO's generation of `inputs`, with the mask of the tokens to distil (`OPDTrainer`)."""
+        raise NotImplementedError
+
+    def _teacher_request(self, inputs, output) -> Callable[[], TeacherScores]:
+        """The teacher's scoring of a generated batch, ready to call (`teacher_inputs.TeacherInputsMixin`)."""
+        raise NotImplementedError
+
+    def _old_policy_pass(self, output) -> None:
+        """The old log-probs (and the byte credit's student side) of a generated batch (`OPDTrainer`)."""
+        raise NotImplementedError
+
+    def _finish_with_scores(self, output: dict[str, Any], scores: TeacherScores) -> dict[str, Any]:
+        """The teacher's advantages for a generated batch from its scores (`OPDTrainer`)."""
+        raise NotImplementedError

@@ -16,6 +16,9 @@ import tempfile
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
+from .prompts import teacher_prompt
+from .recipe import build_trainer, load_prompts
+
 # Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
 _REFERENCE_PASS = dict(
     ref_as_teacher=True, opd_estimator="sampled", opd_coef=None, opd_divergence_beta=1.0, opd_dense_coef=None,
@@ -47,8 +50,6 @@ class _FirstBatch(TrainerCallback):
 def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple[dict, object, dict, list]:
     """The opd/* metrics of one generation batch of `dataset`, from a trainer built as the recipe builds it and run
     as its first step runs; also the trainer, the scored batch and its rows."""
-    from .cli import build_trainer
-
     trainer = build_trainer(script_args, training_args, model_args, train_dataset=dataset)
 
     def first_batch():
@@ -111,9 +112,6 @@ def check(script_args, training_args, model_args, *, echo=None) -> dict:
 
 
 def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dict:
-    from .cli import load_prompts
-    from .prompts import teacher_prompt
-
     dataset = load_prompts(script_args, script_args.dataset_train_split,
                            teacher_prompt_column=training_args.teacher_prompt_column)
     common = dict(max_steps=1, report_to="none", generation_batch_size=None, save_strategy="no", push_to_hub=False,
@@ -137,7 +135,7 @@ def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dic
     shown_to_teacher = teacher_prompt(rows[0], prompt, column=training_args.teacher_prompt_column,
                                       system=training_args.teacher_system_prompt)
     student_tokenizer = trainer.processing_class
-    teacher_name = training_args.teacher_model_name_or_path
+    teacher_name = teacher_args.teacher_model_name_or_path  # as build_trainer resolved it (OPD_MODELS_DIR)
     routed = training_args.teacher_route_column if training_args.teachers else None
     first_route = rows[0][routed] if routed else "teacher"
     teacher_tokenizer = trainer.teacher_tokenizers[first_route] if cross else (

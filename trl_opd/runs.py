@@ -12,7 +12,8 @@ from .checkpoints import check_resume_matches, old_checkpoints, resolve_resume
 
 
 class RunSafetyMixin:
-    """Mixed into OPDTrainer first; every method calls `super()` where the Trainer has one."""
+    """Mixed into OPDTrainer first; every method calls `super()` where the Trainer has one. Reads the Trainer's
+    `args`, `accelerator`, `model` and `state`."""
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint, skipping one whose save was
@@ -22,7 +23,6 @@ class RunSafetyMixin:
             self._claim_output_dir()
         else:
             check_resume_matches(resume_from_checkpoint, self.accelerator.unwrap_model(self.model))
-            self._token_count.restore(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _claim_output_dir(self) -> None:

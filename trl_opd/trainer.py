@@ -8,11 +8,8 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,18 +17,20 @@ from transformers import AutoTokenizer, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import get_config_model_id, pad, use_adapter
+from trl.trainer.utils import get_config_model_id, use_adapter
 
 from .alignment import ByteVocabulary
 from .checks import check_chat_template, check_model_files, check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
+from .hub import HubMixin
 from .loss import opd_advantages, shared_temperature
-from .metrics import OPDMetricsMixin, wrapped_logps_call
+from .metrics import OPDMetricsMixin
 from .multiturn import action_mask
 from .overlap import OverlapScoringMixin
-from .prompts import teacher_prompt
+from .policy import PolicyObjectiveMixin
 from .runs import RunSafetyMixin
+from .teacher_inputs import TeacherInputsMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.byte_credit import student_prefix_shift
 from .teachers.cross import CrossTokenizerTeacher
@@ -51,7 +50,8 @@ def _teacher_only(**kwargs):
     raise AssertionError("OPDTrainer removes this placeholder reward function before training.")
 
 
-class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLossMixin, GRPOTrainer):
+class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMixin, OPDMetricsMixin,
+                 PolicyObjectiveMixin, DenseLossMixin, GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
 
     Args:
@@ -169,41 +169,6 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
         self.teacher_tokenizers = teacher_tokenizers
         self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()
-
-    # ------------------------------------------------------------------ the Hub
-
-    card_recipe: str | None = None  # what the model card names as the recipe and the dataset (set by the CLI)
-    card_dataset: str | None = None
-
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs):
-        """This package's model card (`hub.write_model_card`) in output_dir, which every push of the Trainer's
-        uploads: the end of training and, through `_push_from_checkpoint`, each save under `hub_strategy`."""
-        if not self.is_world_process_zero():
-            return
-        from .hub import write_model_card
-
-        write_model_card(self, self.args.output_dir, recipe=self.card_recipe,
-                         dataset=dataset_name or self.card_dataset, is_adapter=kwargs.get("is_adapter"))
-
-    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
-        """The Trainer creates the repo when it is built with push_to_hub: if the Hub cannot take it, stop now, with
-        the reason (never the token), before anything is trained."""
-        from .hub import HubPushError, hub_reason
-
-        try:
-            super().init_hf_repo(token=token, private=private)
-        except Exception as error:
-            repo_id = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
-            raise HubPushError(
-                f"Could not create the Hub repo {repo_id!r} ({hub_reason(error, token or self.args.hub_token)}), so "
-                "nothing was trained. Check the network and the token, or set push_to_hub: false and push the "
-                "output later with `trl-opd push OUTPUT_DIR --repo-id ORG/NAME`."
-            ) from None
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        if self.is_world_process_zero() and self.args.hub_strategy != "end":  # the card goes up with the checkpoint
-            self.create_model_card(is_adapter=(Path(checkpoint_folder) / "adapter_config.json").exists())
-        super()._push_from_checkpoint(checkpoint_folder)
 
     # ------------------------------------------------------------------ set-up
 
@@ -387,74 +352,6 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
         output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         return mask
 
-    def _teacher_request(self, inputs, output) -> Callable[[], TeacherScores]:
-        """The teacher's scoring of a generated batch, ready to call: everything it reads from the trainer (the
-        teacher's prompts, the routes) is taken now, so the call may run later or in another thread."""
-        own_prompt = self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None
-        if self.args.ref_as_teacher and own_prompt and "ref_per_token_logps" in output:
-            scores = TeacherScores(logps=output["ref_per_token_logps"])  # GRPO computed them for its KL term
-            return lambda: scores
-        completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
-        if self.args.teacher_tokenizer_mode == "cross":  # the teacher renders prompts and observations its own way
-            batch = (self._teacher_prompt_messages(inputs, output), completion_ids, completion_mask,
-                     output["action_mask"], self._completion_messages(inputs), self._prompt_tools(len(inputs)))
-        else:
-            batch = (*self._teacher_prompts(inputs, output), completion_ids, completion_mask)
-        if self.args.teachers:
-            routes = [row[self.args.teacher_route_column] for row in inputs]
-            return partial(self.teacher.score, *batch, routes=routes)
-        return partial(self.teacher.score, *batch)
-
-    def _teacher_prompts(self, inputs, output) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message or column)."""
-        if self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None:
-            return output["prompt_ids"], output["prompt_mask"]
-        prompts = self._teacher_prompt_messages(inputs, output)
-        prompt_ids = [torch.tensor(ids) for ids in self._tokenize_prompts(prompts)[0]]
-        device = output["prompt_ids"].device
-        padded = pad(prompt_ids, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
-        mask = pad([torch.ones_like(ids) for ids in prompt_ids], padding_value=0, padding_side="left").to(device)
-        return padded, mask
-
-    def _teacher_prompt_messages(self, inputs, output) -> list:
-        """The prompts the teacher reads, as text or chat messages: the student's as it saw them (with any observation
-        an environment's reset() appended), plus any teacher-only prompt (system message or column)."""
-        student_prompts = self._student_prompts
-        column, system = self.args.teacher_prompt_column, self.args.teacher_system_prompt
-        if self.rollout_func is not None:
-            self._check_rollout_prompts(student_prompts, output)
-        return [teacher_prompt(row, seen, column=column, system=system)
-                for row, seen in zip(inputs, student_prompts, strict=True)]
-
-    def _completion_messages(self, inputs) -> list[list[dict] | None]:
-        """Each row's completion as chat messages, for a teacher that renders the observations between the student's
-        turns with its own template: a rollout function's `completion_messages`, else the tool loop's messages (its
-        parsed turns and tool results), else None."""
-        loop = self._student_completions if self.tools else [None] * len(inputs)
-        return [row.get("completion_messages", messages) for row, messages in zip(inputs, loop, strict=True)]
-
-    def _prompt_tools(self, count: int) -> list:
-        """The tools each row's prompt was rendered with: its environment's (GRPO renders each row with its own when
-        there are environments), else the trainer's."""
-        if self.environment_factories is not None:
-            return [self._env_tools[name] for name in self._batch_environments]
-        return [self.tools] * count
-
-    def _check_rollout_prompts(self, student_prompts, output) -> None:
-        """The teacher's own prompt (a teacher-only prompt, or a cross-tokenizer teacher's rendering) is built from the
-        prompt messages; that is what the student read only if the rollout function rendered them as the trainer's
-        chat template does. Refuse rather than compare two renderings."""
-        rendered = self._tokenize_prompts(student_prompts)[0]
-        for i, (ids, ids_mask) in enumerate(zip(output["prompt_ids"], output["prompt_mask"], strict=True)):
-            if ids[ids_mask.bool()].tolist() != list(rendered[i]):
-                raise ValueError(
-                    f"Row {i}: the rollout function's prompt_ids are not the student's prompt as the trainer's chat "
-                    "template renders it, so the teacher's own prompt (teacher_system_prompt / teacher_prompt_column, "
-                    "or a cross-tokenizer teacher's rendering) cannot be rendered to match. Render prompts with the "
-                    "trainer's processing class and chat template in the rollout function, or put the teacher's "
-                    "context in the rollout's own prompt."
-                )
-
     def _old_policy_pass(self, output) -> None:
         """What the advantage needs from the policy that sampled the batch, from one no-grad forward of it:
         `old_per_token_logps` where GRPO did not already compute them (on-policy, no vLLM), and, with a
@@ -499,68 +396,3 @@ class OPDTrainer(RunSafetyMixin, OverlapScoringMixin, OPDMetricsMixin, DenseLoss
     def _compute_loss(self, model, inputs):
         with self._sampled_metrics_from_loss_forward(inputs):
             return self._dense_and_policy_loss(model, inputs)
-
-    def _policy_loss(self, model, inputs):
-        if "teacher_advantages" not in inputs:  # teacher only (the OPD objective), or rewards' advantages summed
-            with self._opd_objective(enabled=not self.reward_funcs):
-                return super()._compute_loss(model, inputs)
-        mode = "train" if self.model.training else "eval"
-        with self._one_student_forward():
-            rl_loss = super()._compute_loss(model, inputs)
-            if self.args.opd_loss_coef == 0.0:
-                return rl_loss
-            with self._policy_term_only(mode), self._opd_objective():
-                opd_loss = super()._compute_loss(model, {**inputs, "advantages": inputs["teacher_advantages"]})
-        # GRPO's loss is divided for gradient accumulation; the metrics are on the scale of the logged `loss`
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        for name, value in (("rl/loss", rl_loss), ("opd/loss", opd_loss)):
-            self._metrics[mode][name].append(self.accelerator.gather(value.detach()).mean().item() * accumulation)
-        return rl_loss + self.args.opd_loss_coef * opd_loss
-
-    @contextmanager
-    def _opd_objective(self, enabled: bool = True):
-        """Within the block, GRPO's objective is the OPD one: unclipped with `opd_objective: importance_sampling`
-        (clip(r, 0, inf) == r for r = exp(.) > 0, so GRPO's min(r A, clip(r) A) becomes r A exactly)."""
-        if not enabled or self.args.opd_objective != "importance_sampling":
-            yield
-            return
-        saved = self.epsilon_low, self.epsilon_high
-        self.epsilon_low, self.epsilon_high = 1.0, float("inf")
-        try:
-            yield
-        finally:
-            self.epsilon_low, self.epsilon_high = saved
-
-    @contextmanager
-    def _one_student_forward(self):
-        """Within the block, the student's log-probs are computed once and reused: two objectives, one forward."""
-        cache = {}
-
-        def once(compute):
-            def cached(*args, **kwargs):
-                if "result" not in cache:
-                    cache["result"] = compute(*args, **kwargs)
-                return cache["result"]
-
-            return cached
-
-        with wrapped_logps_call(self, once):
-            yield
-
-    @contextmanager
-    def _policy_term_only(self, mode: str):
-        """The second objective adds only its clipped policy term: the KL penalty, entropy bonus and MoE auxiliary
-        loss are already in the first. Its clip-ratio metrics are logged under `opd/`."""
-        saved = self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled
-        self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = 0.0, False, False
-        lengths = {name: len(values) for name, values in self._metrics[mode].items()}
-        try:
-            yield
-        finally:
-            self.beta, self._entropy_bonus_enabled, self.aux_loss_enabled = saved
-            for name in [n for n, values in self._metrics[mode].items() if len(values) > lengths.get(n, 0)]:
-                added = self._metrics[mode][name][lengths.get(name, 0):]
-                del self._metrics[mode][name][lengths.get(name, 0):]
-                if name.startswith("clip_ratio/"):
-                    self._metrics[mode][f"opd/{name}"].extend(added)
-

@@ -22,7 +22,7 @@ import random
 import zlib
 from pathlib import Path
 
-from ..testing import CHAT_TEMPLATE, digit_split_bpe
+from ..tiny import CHAT_TEMPLATE, digit_split_bpe
 
 # `seed` seeds the models' initialisation and SFT (student `seed`, teacher `seed + 1`); the data is the same for all.
 # A teacher whose sampled held-out accuracy is under `teacher_min_sampled` after its steps trains on, a quarter of its
@@ -159,7 +159,7 @@ def _build_teacher(teacher, tokenizer, sft_data, heldout, sampled: float, *, set
     """Train the teacher on (`_train_teacher_on`); if it stays under `teacher_min_sampled`, start over from another
     initialisation, up to `teacher_max_inits` in all, and keep the most accurate. Returns it, its sampled accuracy
     and how it was built."""
-    from trl_opd.testing import build_model
+    from trl_opd.tiny import build_model
 
     sampled, rounds = _train_teacher_on(teacher, tokenizer, sft_data, heldout, sampled, settings=settings, seed=seed)
     best = (sampled, teacher, {"extra_rounds": rounds, "init": 0})
@@ -181,7 +181,7 @@ def _build_teacher(teacher, tokenizer, sft_data, heldout, sampled: float, *, set
 def make_tiny_task(directory: str | Path, *, overwrite: bool = False, **settings) -> Path:
     """Build `student/`, `teacher/`, `train.jsonl`, `heldout.jsonl` and `accuracy.json` under `directory` (cached:
     skipped if built there with the same settings; `settings` override `TASK_SETTINGS`)."""
-    from trl_opd.testing import build_model
+    from trl_opd.tiny import build_model
 
     directory = Path(directory)
     settings = {**TASK_SETTINGS, **settings}
@@ -215,7 +215,7 @@ def make_other_family_teacher(directory: str | Path, *, overwrite: bool = False)
     own tokenizer (numbers merge into multi-digit tokens where the student's are split one digit per token; other
     special tokens and chat template, `other_family_tokenizer`), trained as the task's teacher is, on the same rows.
     Cached; `accuracy.json` gets its accuracy as `teacher_other`."""
-    from ..testing import build_model, other_family_tokenizer
+    from ..tiny import build_model, other_family_tokenizer
 
     directory = Path(directory)
     output = directory / "teacher_other"

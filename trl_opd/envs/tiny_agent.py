@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from ..testing import digit_split_bpe
+from ..tiny import digit_split_bpe
 from .arithmetic import ArithmeticToolEnv, arithmetic_tool_rows, gold_trajectory, write_rows
 
 # ChatML with the tools as one system line, "Tools: add(a, b) multiply(a, b)", and tool results as a `tool` turn.
@@ -177,7 +177,7 @@ def make_tiny_agent(directory: str | Path, *, template: str = "compact", student
     The teacher is trained until it emits well-formed tool calls and mostly right answers; the student, from a
     different initialisation, for far fewer steps, so the teacher/student gap is real.
     """
-    from trl_opd.testing import build_model
+    from trl_opd.tiny import build_model
 
     directory = Path(directory)
     done = directory / "DONE"

@@ -44,7 +44,7 @@ import torch
 from trl.trainer.utils import pad
 
 from ..alignment import ByteVocabulary, align_bytes
-from ..config import CROSS_CREDITS
+from ..config_checks import CROSS_CREDITS
 from .base import TeacherScorer, TeacherScores
 from .byte_credit import SERVED_EXTENSION_TOPK, byte_credit, sampled_parts, token_anchors
 from .local import LocalTeacher

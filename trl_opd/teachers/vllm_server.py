@@ -1,8 +1,9 @@
 """A teacher behind one or more vLLM OpenAI-compatible servers, over plain HTTP (the client needs no vllm).
 
-Each sequence (prompt + student completion, as token ids) is sent as a prompt with `prompt_logprobs`; the server
-answers one entry per prompt position, keyed by token id, and the entries at completion positions are the teacher's
-log-probs of the sampled tokens. Start a server with `trl-opd serve-teacher MODEL`.
+Each sequence (prompt + student completion, as token ids) is scored through `trl-opd serve-teacher`'s compact
+endpoint (`/opd/score`, `trl_opd/server_route`) where the server has it, else as a prompt of the stock
+`/v1/completions` with `prompt_logprobs` (`completions_response` reads that answer). Start a server with
+`trl-opd serve-teacher MODEL`.
 
 vLLM refuses a prompt that leaves no room for one output token, whatever the request asks for, so a sequence can be
 at most the server's `--max-model-len` less one token long.
@@ -12,12 +13,10 @@ from __future__ import annotations
 
 import base64
 import itertools
-import math
 import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import numpy as np
 import requests
@@ -25,6 +24,8 @@ import torch
 
 from ..secrets import mask_urls, masked
 from .base import TeacherScores
+from .completions_response import completion_entries, completion_payload, read_entries
+from .server_errors import TeacherServerError, reading
 
 # A probe that exercises words, digits, punctuation and whitespace, for the tokenizer comparison
 _TOKENIZER_PROBE = "Distil: 12 + 7 = 19, isn't it?\n  The answer is 19."
@@ -59,14 +60,6 @@ def check_server_address(option: str, value) -> None:
 def is_served(source) -> bool:
     """A teacher given as a server URL or a list of them."""
     return is_server_url(source) or (isinstance(source, list) and all(is_server_url(url) for url in source))
-
-
-class TeacherServerError(RuntimeError):
-    """A teacher server could not be reached, refused a request, or answered something unusable. The message never
-    shows credentials of a server URL."""
-
-    def __init__(self, message: str):
-        super().__init__(mask_urls(message))
 
 
 class VLLMServerTeacher:
@@ -173,7 +166,7 @@ class VLLMServerTeacher:
         for url in self.urls:
             self._wait_until_up(url)
             answer = self._request("GET", url, "/v1/models")
-            with _reading(url, "/v1/models", answer):
+            with reading(url, "/v1/models", answer):
                 served_model = answer["data"][0]
                 model = self.models[url] = str(served_model["id"])
             if isinstance(served_model.get("max_model_len"), int):  # vLLM reports it; other servers may not
@@ -181,7 +174,7 @@ class VLLMServerTeacher:
             answer = self._request(
                 "POST", url, "/tokenize", {"model": model, "prompt": _TOKENIZER_PROBE, "add_special_tokens": False}
             )
-            with _reading(url, "/tokenize", answer):
+            with reading(url, "/tokenize", answer):
                 served = list(answer["tokens"])
             if served != expected:
                 position = _first_difference(served, expected)
@@ -198,7 +191,7 @@ class VLLMServerTeacher:
                     continue
                 answer = self._request("POST", url, "/tokenize", {"model": model, "prompt": token,
                                                                   "add_special_tokens": False})
-                with _reading(url, "/tokenize", answer):
+                with reading(url, "/tokenize", answer):
                     ids = list(answer["tokens"])
                 if ids != [tokenizer.convert_tokens_to_ids(token)]:
                     raise ValueError(
@@ -260,10 +253,12 @@ class VLLMServerTeacher:
         if self.compact.get(url):
             return self._score_compact(url, prompts, completions, first_index)
         sequences = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
+        answer = self._request("POST", url, "/v1/completions",
+                               completion_payload(self.models.get(url, ""), sequences, topk=self.topk))
         scored = []
-        for i, entries in enumerate(self._completion_entries(url, sequences, first_index)):
-            values, ranks, top = _read_entries(entries, prompts[i], completions[i], index=first_index + i, url=url,
-                                               topk=self.topk)
+        for i, entries in enumerate(completion_entries(answer, url=url, count=len(sequences), first_index=first_index)):
+            values, ranks, top = read_entries(entries, prompts[i], completions[i], index=first_index + i, url=url,
+                                              topk=self.topk)
             n = len(values)
             scored.append((torch.tensor(values, dtype=torch.float32),
                            None if ranks is None else torch.tensor(ranks) == 1,
@@ -276,7 +271,7 @@ class VLLMServerTeacher:
         answer = self._request("POST", url, "/opd/score", {
             "sequences": [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)],
             "score_from": [len(prompt) for prompt in prompts], "topk": self.topk})
-        with _reading(url, "/opd/score", answer):
+        with reading(url, "/opd/score", answer):
             lengths = [int(n) for n in answer["lengths"]]
             arrays = {name: torch.from_numpy(np.frombuffer(base64.b64decode(answer[name]), dtype=dtype).copy())
                       for name, dtype in (("logprobs", "<f4"), ("ranks", "<i4"), ("topk_ids", "<i4"),
@@ -302,32 +297,6 @@ class VLLMServerTeacher:
         top_ids = arrays["topk_ids"].long().view(total, self.topk).split(expected)
         top_logps = arrays["topk_logprobs"].view(total, self.topk).split(expected)
         return [(v, r == 1, ids, logps) for v, r, ids, logps in zip(values, ranks, top_ids, top_logps, strict=True)]
-
-    def _completion_payload(self, url: str, sequences: list[list[int]]) -> dict:
-        """The request that scores `sequences` (token ids): each as a prompt, with its per-position log-probs."""
-        return {"model": self.models.get(url, ""), "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": self.topk}
-
-    def _completion_entries(self, url: str, sequences: list[list[int]], first_index: int) -> list[list]:
-        """Each sequence's per-position entries from the stock `/v1/completions` answer with `prompt_logprobs`."""
-        answer = self._request("POST", url, "/v1/completions", self._completion_payload(url, sequences))
-        with _reading(url, "/v1/completions", answer):
-            choices = sorted(answer.get("choices", []), key=lambda choice: choice["index"])
-            indices = [choice["index"] for choice in choices]
-        if indices != list(range(len(sequences))):
-            raise TeacherServerError(
-                f"Teacher server {url} answered {len(choices)} choices for {len(sequences)} sequences "
-                f"(sequences {first_index}..{first_index + len(sequences) - 1})."
-            )
-        entries = [choice.get("prompt_logprobs") for choice in choices]
-        for i, sequence_entries in enumerate(entries):
-            if sequence_entries is not None and not (isinstance(sequence_entries, list) and all(
-                    entry is None or isinstance(entry, dict) for entry in sequence_entries)):
-                raise TeacherServerError(
-                    f"Teacher server {url}: sequence {first_index + i} came back with prompt_logprobs that are not a "
-                    f"list of per-position objects: {str(sequence_entries)[:200]!r}."
-                )
-        return entries
 
     def _check_fits(self, url: str, prompt_length: int, completion_length: int, *, index: int) -> None:
         """Raise if a sequence is too long for the server at `url` (it keeps one position for an output token)."""
@@ -383,62 +352,3 @@ class VLLMServerTeacher:
 
 def _first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def _read_entries(entries, prompt: list[int], completion: list[int], *, index: int, url: str, topk: int = 0):
-    """The teacher's log-prob (and rank, if given) of each completion token, and with `topk` the k most likely
-    (token, log-prob) pairs at each completion position in decreasing order, validated."""
-    expected = len(prompt) + len(completion)
-    if entries is None or len(entries) != expected:
-        raise TeacherServerError(
-            f"Teacher server {url}: sequence {index} came back with {0 if entries is None else len(entries)} "
-            f"prompt log-prob entries, expected {expected} (one per token)."
-        )
-    values, ranks, top = [], [], []
-    for position, token in enumerate(completion, start=len(prompt)):
-        entry = entries[position] or {}
-        scored = entry.get(str(token))
-        logprob = scored.get("logprob") if isinstance(scored, dict) else None
-        if not _is_number(logprob) or not math.isfinite(logprob):
-            raise TeacherServerError(
-                f"Teacher server {url}: sequence {index}, completion position {position - len(prompt)} (token "
-                f"{token}) has log-prob {logprob!r}: expected a finite number."
-            )
-        values.append(logprob)
-        ranks.append(scored.get("rank"))
-        if topk:
-            top.append(_top_entries(entry, topk, where=f"{url}: sequence {index}, position {position - len(prompt)}"))
-    return values, (None if any(rank is None for rank in ranks) else ranks), top
-
-
-def _top_entries(entry: dict, k: int, *, where: str) -> list[tuple[int, float]]:
-    """The k most likely (token id, log-prob) pairs of one position's answer (the sampled token is there too)."""
-    if not all(token.isdigit() and isinstance(scored, dict) and _is_number(scored.get("logprob"))
-               for token, scored in entry.items()):
-        raise TeacherServerError(
-            f"Teacher server {where}: the top tokens are not token ids with numeric log-probs: {str(entry)[:200]!r}."
-        )
-    pairs = sorted(((int(token), scored["logprob"]) for token, scored in entry.items()), key=lambda pair: -pair[1])[:k]
-    if len(pairs) < k or not all(math.isfinite(logp) for _, logp in pairs):
-        raise TeacherServerError(
-            f"Teacher server {where}: expected the {k} most likely tokens with finite log-probs, got {len(pairs)}. "
-            f"Start the server with --max-logprobs {k} or more (trl-opd serve-teacher sets 20)."
-        )
-    return pairs
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@contextmanager
-def _reading(url: str, path: str, answer: dict):
-    """Within the block, an answer of the wrong shape (a missing key, a wrong type) is a TeacherServerError that names
-    the server, the endpoint and the start of the answer."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
-        raise TeacherServerError(
-            f"Teacher server {url} answered {path} with an unexpected shape ({type(error).__name__}: {error}): "
-            f"{str(answer)[:200]!r}. Is this URL a vLLM server?"
-        ) from None

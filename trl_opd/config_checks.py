@@ -1,0 +1,262 @@
+"""The validation of an OPDConfig: every option checked alone and against the others, before anything loads.
+
+`check_options` runs at the end of `OPDConfig.__post_init__`; `resolve_estimator` once the trainer knows the teacher
+source (a model given to the trainer rather than named in the config). Each refusal says what is wrong and what to
+set instead.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING
+
+from .secrets import has_credentials, masked
+from .teachers.vllm_server import check_server_address, is_served
+
+if TYPE_CHECKING:
+    from .config import OPDConfig
+
+OPD_OBJECTIVES = ("clipped", "importance_sampling")
+REWARD_COMBINATIONS = ("loss", "advantage")
+OPD_ESTIMATORS = ("sampled", "topk", "full")
+TOKENIZER_MODES = ("same", "cross")
+CROSS_CREDITS = ("byte", "chunk")
+# GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def check_options(args: OPDConfig) -> None:
+    """Every OPD option's value alone and against the others (GRPO's own are checked by GRPOConfig)."""
+    _check_choices(args)
+    _check_numbers(args)
+    _check_teacher_options(args)
+    source = args.teacher_source()
+    _check_estimator_source(args.opd_estimator, source)
+    _check_tokenizer_mode(args, source)
+    _check_overlap(args, source)
+
+
+def _check_choices(args: OPDConfig) -> None:
+    """The options that name one of a few choices."""
+    choices = {"opd_objective": OPD_OBJECTIVES, "opd_reward_combination": REWARD_COMBINATIONS,
+               "teacher_tokenizer_mode": TOKENIZER_MODES}
+    optional = {"opd_estimator": OPD_ESTIMATORS, "teacher_cross_credit": CROSS_CREDITS}  # None: a default
+    for name, allowed in (*choices.items(), *optional.items()):
+        value = getattr(args, name)
+        if value not in allowed and not (name in optional and value is None):
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}.")
+    if args.opd_objective == "importance_sampling" and args.loss_type not in CLIPPED_LOSS_TYPES:
+        raise ValueError(
+            f"opd_objective='importance_sampling' removes the clipping of a clipped objective, but loss_type="
+            f"{args.loss_type!r} has none. Use one of {CLIPPED_LOSS_TYPES}, or opd_objective='clipped'."
+        )
+
+
+def _check_numbers(args: OPDConfig) -> None:
+    """The numeric options' ranges."""
+    if not 0.0 <= args.opd_divergence_beta <= 1.0:
+        raise ValueError(f"opd_divergence_beta must be in [0, 1] (0 forward KL, 1 reverse KL), got "
+                         f"{args.opd_divergence_beta}.")
+    for name in ("opd_coef", "opd_dense_coef", "opd_loss_coef", "kl_discount_factor", "teacher_temperature"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}.")
+    if args.max_completion_length is not None and args.max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be at least 1 token, got {args.max_completion_length}.")
+    if args.max_steps == 0 or (args.max_steps < 0 and args.num_train_epochs <= 0):
+        raise ValueError(
+            f"Nothing to train: max_steps={args.max_steps}, num_train_epochs={args.num_train_epochs}. Set "
+            "max_steps > 0, or num_train_epochs > 0 with max_steps unset (-1)."
+        )
+    if not args.teacher_server_timeout > 0:
+        raise ValueError(f"teacher_server_timeout must be positive (seconds), got {args.teacher_server_timeout}.")
+    if not args.teacher_server_startup_timeout >= 0:
+        raise ValueError("teacher_server_startup_timeout must be 0 or more (seconds), got "
+                         f"{args.teacher_server_startup_timeout}.")
+    if args.teacher_server_max_retries < 0:
+        raise ValueError(f"teacher_server_max_retries must be 0 or more, got {args.teacher_server_max_retries}.")
+    if not 0.0 <= args.kl_discount_factor < 1.0:
+        raise ValueError(f"kl_discount_factor must be in [0, 1), got {args.kl_discount_factor}.")
+    if args.opd_topk is not None and args.opd_topk < 1:
+        raise ValueError(f"opd_topk must be at least 1, got {args.opd_topk}.")
+    if args.teacher_temperature <= 0:
+        raise ValueError(f"teacher_temperature must be positive, got {args.teacher_temperature}.")
+    if args.teacher_batch_size is not None and args.teacher_batch_size < 1:
+        raise ValueError(f"teacher_batch_size must be a positive integer, got {args.teacher_batch_size}.")
+
+
+def _check_teacher_options(args: OPDConfig) -> None:
+    """One teacher source, each address well formed (a credential in one warned about), and what goes with it."""
+    if args.teachers is not None and not isinstance(args.teachers, dict):
+        raise ValueError(
+            f"teachers must be a mapping of teacher names to a model path/Hub id or server URL(s), e.g. "
+            f"{{\"math\": \"Qwen/Qwen3-8B\"}}; got {type(args.teachers).__name__} "
+            f"{masked(str(args.teachers))[:100]!r}."
+        )
+    named = {"teacher_model_name_or_path": [args.teacher_model_name_or_path],
+             "teacher_server_url": args.teacher_server_url or []}
+    for name, teacher in (args.teachers or {}).items():
+        named[f"teachers[{name!r}]"] = teacher if isinstance(teacher, list) else [teacher]
+    for option, values in named.items():
+        for value in values:
+            check_server_address(option, value)
+    if any(has_credentials(url) for values in named.values() for url in values):
+        warnings.warn(
+            "A teacher server URL carries credentials (user:password@host). trl_opd masks them in everything it "
+            "writes or prints, but a URL is not the place for a secret: put an API key in an environment "
+            "variable and name it in teacher_server_api_key_env.", stacklevel=3,
+        )
+    sources = {
+        "teacher_model_name_or_path": args.teacher_model_name_or_path,
+        "teacher_server_url": args.teacher_server_url,
+        "ref_as_teacher": args.ref_as_teacher,
+        "teacher_is_student_base": args.teacher_is_student_base,
+        "teachers": args.teachers,
+    }
+    chosen = [name for name, value in sources.items() if value]
+    if len(chosen) > 1:
+        raise ValueError(f"Choose one teacher source, not {' and '.join(chosen)}.")
+    if args.teacher_adapter_name_or_path and chosen and chosen != ["teacher_model_name_or_path"]:
+        raise ValueError(
+            "teacher_adapter_name_or_path goes onto a local teacher model (teacher_model_name_or_path), "
+            f"not {chosen[0]}."
+        )
+    if args.teacher_system_prompt and args.teacher_prompt_column:
+        raise ValueError("Set teacher_system_prompt or teacher_prompt_column, not both.")
+
+
+def resolve_estimator(args: OPDConfig, source: str | None) -> None:
+    """`opd_estimator`, `opd_coef`, `opd_dense_coef` and `opd_topk` filled in for the teacher `source`, and an
+    estimator that source cannot provide refused."""
+    _check_tokenizer_mode(args, source)
+    _check_overlap(args, source)
+    if args.opd_estimator is None and args.teacher_tokenizer_mode == "cross":
+        args.opd_estimator = "sampled"
+    if args.opd_estimator is None:
+        if source == "local":
+            args.opd_estimator = "full"
+        elif source == "served":
+            args.opd_estimator = "topk"
+        else:
+            args.opd_estimator = "sampled"
+    _check_estimator_source(args.opd_estimator, source)
+    if args.opd_coef is None:
+        args.opd_coef = 1.0 if args.opd_estimator == "sampled" else 0.0
+    if args.opd_estimator == "sampled" and args.opd_dense_coef is not None:
+        raise ValueError(
+            f"opd_dense_coef={args.opd_dense_coef} weighs the dense term of 'topk' and 'full', and "
+            "opd_estimator='sampled' has none. Scale the sampled term with opd_coef, or choose a dense estimator."
+        )
+    if args.opd_estimator != "topk" and args.opd_topk is not None:
+        raise ValueError(
+            f"opd_topk={args.opd_topk} is the k of opd_estimator='topk', and this run uses "
+            f"{args.opd_estimator!r}. Remove it, or set opd_estimator: topk."
+        )
+    if args.opd_estimator != "sampled" and args.opd_dense_coef is None:
+        args.opd_dense_coef = 1.0
+    if args.opd_estimator == "topk" and args.opd_topk is None:
+        args.opd_topk = 20
+
+
+# The teacher sources that can provide each dense estimator's teacher side
+_ESTIMATOR_SOURCES = {
+    "full": ("local",),  # the teacher's final hidden states, kept from its scoring pass
+    "topk": ("local", "served"),  # the teacher's top-k tokens and log-probs at every position
+}
+
+
+def _check_estimator_source(estimator: str | None, source: str | None) -> None:
+    if estimator not in _ESTIMATOR_SOURCES or source is None or source in _ESTIMATOR_SOURCES[estimator]:
+        return
+    named = {"served": "a served teacher (a server URL)", "reference": "ref_as_teacher",
+             "student_base": "teacher_is_student_base", "routed": "routed teachers (teachers)"}[source]
+    if estimator == "full":
+        raise ValueError(
+            f"opd_estimator='full' needs the teacher's hidden states, which only one local teacher model provides "
+            f"(teacher_model_name_or_path, or a model or path as teacher_model), not {named}. "
+            + ("opd_estimator='topk' works with a served teacher." if source == "served"
+               else "Use opd_estimator='sampled'.")
+        )
+    raise ValueError(
+        f"opd_estimator='topk' needs one teacher model, local or served, not {named}. Use opd_estimator='sampled'."
+    )
+
+
+def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
+    """What a cross-tokenizer teacher can and cannot do, refused before anything loads."""
+    if args.teacher_tokenizer_mode != "cross":
+        if args.teacher_cross_credit is not None:
+            raise ValueError(
+                f"teacher_cross_credit={args.teacher_cross_credit!r} shares a cross-tokenizer teacher's log-probs "
+                "among the student's tokens; a same-tokenizer teacher scores every token itself. Remove it, or set "
+                "teacher_tokenizer_mode: cross."
+            )
+        if args.teacher_tokenizer_name_or_path is not None:
+            raise ValueError(
+                "teacher_tokenizer_name_or_path is the tokenizer of a teacher from another model family, used with "
+                "teacher_tokenizer_mode: cross. A same-tokenizer teacher scores the student's ids with the student's "
+                "tokenizer: remove it, or set teacher_tokenizer_mode: cross."
+            )
+        return
+    if source in ("reference", "student_base"):
+        raise ValueError(
+            f"teacher_tokenizer_mode 'cross' is for a teacher with its own tokenizer; "
+            f"{'ref_as_teacher' if source == 'reference' else 'teacher_is_student_base'} is the student's own model. "
+            "Remove teacher_tokenizer_mode."
+        )
+    tokenizers = args.teacher_tokenizer_name_or_path
+    if isinstance(tokenizers, dict):
+        if source != "routed":
+            raise ValueError(
+                "teacher_tokenizer_name_or_path is a mapping of routed teacher names to tokenizers, but there are no "
+                "routed `teachers`: give the one teacher's tokenizer as a path or Hub id."
+            )
+        unknown = sorted(set(tokenizers) - set(args.teachers))
+        if unknown:
+            raise ValueError(f"teacher_tokenizer_name_or_path names {unknown[0]!r}, which is not among the routed "
+                             f"teachers {sorted(args.teachers)}.")
+    if source == "routed" and not isinstance(tokenizers, str):
+        for name, teacher in args.teachers.items():
+            if is_served(teacher) and name not in (tokenizers or {}):
+                raise ValueError(
+                    f"teachers[{name!r}] is served, and a served teacher's tokenizer cannot be read from the server: "
+                    "name it in teacher_tokenizer_name_or_path, e.g. "
+                    f"{{{name!r}: <the served model's path or Hub id>}}."
+                )
+    if args.opd_estimator not in (None, "sampled"):
+        raise ValueError(
+            f"opd_estimator={args.opd_estimator!r} compares the two models over one vocabulary at every position, "
+            "and a teacher with another tokenizer has another vocabulary. Use opd_estimator='sampled' (the default "
+            "with teacher_tokenizer_mode 'cross'), which scores the sampled text exactly."
+        )
+
+
+def _check_overlap(args: OPDConfig, source: str | None) -> None:
+    """What `opd_overlap_scoring` needs, refused before anything loads: a teacher off the trainer's devices, and at
+    most one update between sampling a batch and training on it."""
+    if not args.opd_overlap_scoring:
+        return
+    routed_local = source == "routed" and not all(is_served(teacher) for teacher in args.teachers.values())
+    if source in ("local", "reference", "student_base") or routed_local:
+        named = {"local": "a local teacher model", "reference": "ref_as_teacher",
+                 "student_base": "teacher_is_student_base"}.get(source, "routed teachers with a local model")
+        raise ValueError(
+            f"opd_overlap_scoring overlaps a served teacher's scoring with the student's update, and {named} runs on "
+            "the trainer's own devices, between the same steps: there is nothing to overlap. Serve the teacher "
+            "(`trl-opd serve-teacher MODEL`, then teacher_server_url), or remove opd_overlap_scoring."
+        )
+    if args.num_iterations != 1:
+        raise ValueError(
+            f"opd_overlap_scoring trains each batch one update after the policy that sampled it; num_iterations="
+            f"{args.num_iterations} would train it again later, more updates stale. Set num_iterations: 1, or "
+            "remove opd_overlap_scoring."
+        )
+    if args.steps_per_generation not in (None, args.gradient_accumulation_steps):
+        raise ValueError(
+            f"opd_overlap_scoring needs one optimizer step per generation batch, and steps_per_generation="
+            f"{args.steps_per_generation} with gradient_accumulation_steps={args.gradient_accumulation_steps} makes "
+            f"{args.steps_per_generation / args.gradient_accumulation_steps:g}, so a batch's last micro-batches would "
+            "be more than one update stale. Leave steps_per_generation unset (or equal to "
+            "gradient_accumulation_steps), or remove opd_overlap_scoring."
+        )
