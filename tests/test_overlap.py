@@ -84,6 +84,39 @@ def test_each_batch_is_scored_once_one_update_stale_with_the_sampling_policys_ol
     assert _logs(trainer, "loss")[0] == pytest.approx(_logs(sync, "loss")[0], abs=1e-6)
 
 
+def test_the_completions_table_shows_the_trained_batch_beside_its_own_advantages(
+    teacher_server, tiny, prompts, make_config
+):
+    config = make_config(max_steps=3, teacher_server_url=teacher_server, opd_overlap_scoring=True)
+    trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts)
+    generate, finish = trainer._generate_for_teacher, trainer._finish_with_scores
+    generated, trained = {}, []
+
+    def table():
+        return list(trainer._logs["prompt"]), list(trainer._logs["completion"])
+
+    def recording(inputs):
+        output = generate(inputs)
+        generated[id(output)] = table()  # GRPO's table right after generating: this batch's rows
+        return output
+
+    def finishing(output, scores):
+        result = finish(output, scores)
+        mask = result["action_mask"]
+        advantages = ((result["advantages"] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+        trained.append((generated[id(output)], table(), list(trainer._logs["advantages"]), advantages))
+        return result
+
+    trainer._generate_for_teacher, trainer._finish_with_scores = recording, finishing
+    trainer.train()
+
+    assert len(trained) == 3 and len(generated) == 3
+    for step, (own_rows, shown_rows, shown_advantages, advantages) in enumerate(trained):
+        assert shown_rows == own_rows, f"step {step}: the table shows another batch's prompts and completions"
+        assert shown_advantages == pytest.approx(advantages, abs=1e-6)
+    assert trained[1][1] != trained[2][1]  # each step's table is its own batch's (the prompts differ)
+
+
 def test_a_teacher_failure_mid_pipeline_stops_with_a_clear_error_and_intact_checkpoints(
     teacher_server, tiny, prompts, make_config
 ):

@@ -35,12 +35,13 @@ class _Scoring:
     output: dict[str, Any]  # the generation, with its old log-probs and action mask
     scores: Future  # of TeacherScores
     sampled_at: int  # the optimizer step whose policy sampled it
+    table: dict[str, Any]  # its rows of GRPO's completions table, shown again when it is trained
 
 
 class OverlapScoringMixin:
     """Mixed into OPDTrainer; inert unless `args.opd_overlap_scoring`. Every method calls `super()`. Reads the
-    Trainer's `args`, `model`, `state` and GRPO's `_metrics`, and calls the trainer's generation and scoring
-    steps, declared at the end."""
+    Trainer's `args`, `model`, `state` and GRPO's `_metrics` and `_logs` (the completions table), and calls the
+    trainer's generation and scoring steps, declared at the end."""
 
     def train(self, *args, **kwargs):
         self._lookahead = None  # the next window's generation batch, taken early from the data loader
@@ -87,6 +88,7 @@ class OverlapScoringMixin:
                 "before this step's update; the checkpoints saved so far are intact (resume_from_checkpoint=True)."
             ) from error
         self._metrics["train"]["opd/staleness"].append(float(self.state.global_step - current.sampled_at))
+        self._show_table_rows(current.table)  # generating the next batch filled the table with its rows
         return self._finish_with_scores(current.output, scores)
 
     def _start_scoring(self, inputs) -> _Scoring:
@@ -94,7 +96,23 @@ class OverlapScoringMixin:
         output = self._generate_for_teacher(inputs)
         self._old_policy_pass(output)  # trained one update later: pi_old is this policy's
         request = self._teacher_request(inputs, output)
-        return _Scoring(inputs, output, self._scoring_pool.submit(request), self.state.global_step)
+        return _Scoring(inputs, output, self._scoring_pool.submit(request), self.state.global_step,
+                        self._table_rows())
+
+    def _table_rows(self) -> dict[str, Any]:
+        """A copy of GRPO's completions table, which holds one generation batch: the one just generated."""
+        return {name: {key: list(rows) for key, rows in column.items()} if isinstance(column, dict) else list(column)
+                for name, column in self._logs.items()}
+
+    def _show_table_rows(self, table: dict[str, Any]) -> None:
+        """GRPO's completions table set to `table`'s rows (a copy from `_table_rows`), in place."""
+        for name, column in table.items():
+            self._logs[name].clear()
+            if isinstance(column, dict):
+                for key, rows in column.items():
+                    self._logs[name][key].extend(rows)
+            else:
+                self._logs[name].extend(column)
 
     # ------------------------------------------------------------------ provided by OPDTrainer and its other bases
 
