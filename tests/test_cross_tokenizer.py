@@ -356,14 +356,16 @@ def test_with_one_tokenizer_the_cross_path_is_the_same_path(tmp_path, prompts, m
         trainer.train()
         runs[mode] = trainer
     same, cross = runs["same"], runs["cross"]
+    # the same values up to round-off: the same-tokenizer path takes the sampling policy's log-probs from the loss
+    # forward (`advantages.py`), the byte credit from a no-grad forward of its own (it needs the final states too)
     for before, after in zip(same.state.log_history[:-1], cross.state.log_history[:-1], strict=True):
         for name, value in before.items():
             if name.startswith(("opd/", "loss", "grad_norm")) and name not in ("opd/teacher_agreement",
                                                                                   "opd/teacher_entropy"):
-                assert after[name] == value, name
+                assert after[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
         assert after["opd/aligned_chunk_tokens_mean"] == 1.0 and after["opd/unaligned_token_fraction"] == 0.0
     for p, q in zip(same.model.parameters(), cross.model.parameters(), strict=True):
-        assert torch.equal(p, q)
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_the_teacher_reads_the_prompt_through_its_own_chat_template(tiny, prompts, make_config, tiny_other_teacher):

@@ -352,7 +352,7 @@ def test_soft_capped_models_are_distilled_on_their_own_distributions(tokenizer, 
                          max_steps=1),
     )
     kls = _exact_kl_of_each_batch(trainer)
-    logps, original = [], trainer._log_deferred_metrics
+    logps, original = [], trainer._use_loss_forward_logps
 
     def compare(inputs, old):  # the lean forward's sampled-token log-probs (opd/student_logp) against GRPO's
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
@@ -363,7 +363,7 @@ def test_soft_capped_models_are_distilled_on_their_own_distributions(tokenizer, 
         logps.append((old, grpo, inputs["action_mask"].bool()))
         return original(inputs, old)
 
-    trainer._log_deferred_metrics = compare
+    trainer._use_loss_forward_logps = compare
     trainer.train()
     (kl, mask), = kls
     first = trainer.state.log_history[0]

@@ -298,6 +298,12 @@ class OPDConfig(GRPOConfig):
             return "local"
         return None
 
+    @property
+    def byte_credit(self) -> bool:
+        """A cross-tokenizer teacher credited by bytes (the default credit there), whose advantage also needs the
+        sampling policy's own prefix probabilities (`teachers.byte_credit`)."""
+        return self.teacher_tokenizer_mode == "cross" and (self.teacher_cross_credit or "byte") == "byte"
+
     def resolve_estimator(self, teacher_model=None) -> None:
         """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known, and
         refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""

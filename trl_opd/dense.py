@@ -80,24 +80,26 @@ class DenseLossMixin:
         return loss + self._dense_weight * self._dense_loss(inputs, hidden[0], student)
 
     def _policy_loss_is_zero(self, inputs) -> bool:
-        """Zero advantages (a dense term alone, see `_defer_sampled_metrics`) and no other term in GRPO's loss."""
-        return ("teacher_per_token_logps" in inputs and self._no_other_grpo_loss_term()
-                and not any(key in inputs for key in _MULTIMODAL_INPUTS))
+        """Zero advantages (a dense term alone), formed in this forward (see `advantages`), and no other term in
+        GRPO's loss."""
+        return (self.args.opd_coef == 0.0 and not self.reward_funcs and "teacher_per_token_logps" in inputs
+                and self._no_other_grpo_loss_term() and not any(key in inputs for key in _MULTIMODAL_INPUTS))
 
     def _no_other_grpo_loss_term(self) -> bool:
         """GRPO's loss has no KL penalty, entropy bonus or MoE auxiliary term: with zero advantages it is 0."""
         return self.beta == 0.0 and not self._entropy_bonus_enabled and not self.aux_loss_enabled
 
     def _log_lean_forward_metrics(self, inputs, student_hidden, student) -> None:
-        """What GRPO's loss forward would have logged: the deferred `opd/*` metrics (from the sampled tokens'
-        log-probs, which on-policy are the old ones) and the student's `entropy`, over the distilled tokens."""
+        """What GRPO's loss forward would have given: the (zero) advantages and the deferred `opd/*` metrics, from the
+        sampled tokens' log-probs, which on-policy are the old ones, and the student's `entropy`, over the distilled
+        tokens."""
         completion_ids, mask = inputs["completion_ids"], inputs["action_mask"]
         valid = mask.bool()  # only these positions are projected onto the vocabulary
         hidden = student_hidden[:, -completion_ids.size(1) - 1 : -1].detach()
         valid_logps, valid_entropy, _ = head_token_stats(hidden[valid], self._student_head(student),
                                                          completion_ids[valid])
         logps = valid_logps.new_zeros(mask.shape).masked_scatter(valid, valid_logps)
-        self._log_deferred_metrics(inputs, logps)
+        self._use_loss_forward_logps(inputs, logps)
         mode = "train" if self.model.training else "eval"
         mean_entropy = valid_entropy.sum() / mask.sum().clamp(min=1.0)
         self._metrics[mode]["entropy"].append(self.accelerator.gather(mean_entropy).nanmean().item())
@@ -151,6 +153,7 @@ class DenseLossMixin:
         """GRPO's loss on the batch's advantages (`policy.PolicyObjectiveMixin`)."""
         raise NotImplementedError
 
-    def _log_deferred_metrics(self, inputs, old) -> None:
-        """The `opd/*` metrics of a micro-batch from the loss forward's log-probs `old` (`metrics.OPDMetricsMixin`)."""
+    def _use_loss_forward_logps(self, inputs, old) -> None:
+        """A micro-batch's advantages and `opd/*` metrics from the loss forward's log-probs `old`
+        (`advantages.AdvantagesMixin`)."""
         raise NotImplementedError

@@ -34,10 +34,6 @@ def wrapped_logps_call(trainer, wrap):
             setattr(trainer, name, found)
 
 
-# What the generation step keeps for metrics logged from the loss forward (`_defer_sampled_metrics`)
-_DEFERRED = {"teacher_per_token_logps": "logps", "teacher_is_top1": "is_top1", "teacher_entropy": "entropy"}
-
-
 class CompletionTokenCount(TrainerCallback, ExportableState):
     """The completion tokens trained on so far (`data/completion_tokens_total`), saved in every checkpoint's trainer
     state (`stateful_callbacks`) and read back on resume (`restore`)."""
@@ -73,39 +69,26 @@ class OPDMetricsMixin:
         self._window_tokens = 0
         self._window_start: float | None = None
 
-    def _defer_sampled_metrics(self, output, scores: TeacherScores) -> None:
-        """Keep the teacher's per-token scores in the batch, for `_sampled_metrics_from_loss_forward`."""
-        for key, field in _DEFERRED.items():
-            if getattr(scores, field) is not None:
-                output[key] = getattr(scores, field)
+    def _expect_deferred_rows(self, rows: int, table_rows: int) -> None:
+        """A generation batch of `rows` rows here (`table_rows` on all processes, its rows of GRPO's completions
+        table) whose metrics come from its micro-batches' loss forwards: they are summed over its rows and logged
+        once, as those of a batch scored at generation are."""
+        self._deferred = {"rows_left": rows, "sums": None, "table_rows": table_rows}
 
-    @contextmanager
-    def _sampled_metrics_from_loss_forward(self, inputs):
-        """If the generation step deferred them, log the `opd/*` metrics of this micro-batch from the loss forward's
-        log-probs, which on-policy are the old log-probs (GRPO's loss uses them detached as such)."""
-        if "teacher_per_token_logps" not in inputs:
-            yield
-            return
-
-        def observe(compute):
-            def observed(*args, **kwargs):
-                result = compute(*args, **kwargs)
-                self._log_deferred_metrics(inputs, result[0].detach())
-                return result
-
-            return observed
-
-        with wrapped_logps_call(self, observe):
-            yield
-
-    def _log_deferred_metrics(self, inputs, old) -> None:
-        """The `opd/*` metrics of one micro-batch, with `old` the loss forward's detached log-probs."""
+    def _log_deferred_metrics(self, inputs, scores: TeacherScores, old_per_token_logps, advantages) -> None:
+        """One micro-batch's share of its generation batch's `opd/*` metrics, with `old_per_token_logps` the loss
+        forward's detached log-probs (the sampling policy's, on-policy), and its rows' advantages in the table."""
         mode, mask = "train" if self.model.training else "eval", inputs["action_mask"]
-        scores = TeacherScores(**{field: inputs.get(key) for key, field in _DEFERRED.items()})
-        self._check_finite(scores.logps, old, mask)
-        self._log_opd_metrics(mode, scores, old, inputs["advantages"], mask, inputs["completion_mask"],
-                              completions_table=False)
+        sums = self._opd_metric_sums(scores, old_per_token_logps, advantages, mask, inputs["completion_mask"])
+        deferred = self._deferred
+        deferred["sums"] = sums if deferred["sums"] is None else deferred["sums"] + sums
+        deferred["rows_left"] -= mask.size(0)
+        if deferred["rows_left"] == 0:
+            self._log_metric_sums(mode, deferred["sums"])
+        if not self.reward_funcs:
+            self._show_table_advantages(inputs["opd_table_row"], advantages, mask, deferred["table_rows"])
         if inputs.get("sampling_per_token_logps") is not None:  # vLLM sampled: its gap to the trainer's log-probs
+            old = old_per_token_logps
             delta = (old - inputs["sampling_per_token_logps"]).abs()[mask.bool()]
             delta = delta[~torch.isnan(delta)]
             mean, top = (delta.mean(), delta.max()) if delta.numel() else (old.new_zeros(()), old.new_zeros(()))
@@ -114,9 +97,21 @@ class OPDMetricsMixin:
             self._metrics[mode]["sampling/sampling_logp_difference/max"].append(
                 self.accelerator.gather(top).max().item())
 
-    def _log_opd_metrics(
-        self, mode, scores, old_per_token_logps, advantages, mask, completion_mask, *, completions_table=True
-    ) -> None:
+    def _log_opd_metrics(self, mode, scores, old_per_token_logps, advantages, mask, completion_mask) -> None:
+        """A generation batch's `opd/*` and `data/*` metrics, and (teacher alone) its advantages in the table."""
+        self._log_metric_sums(mode, self._opd_metric_sums(scores, old_per_token_logps, advantages, mask,
+                                                          completion_mask))
+        if not self.reward_funcs:
+            # GRPO filled the completions table with this batch's (zero) reward advantages: show the teacher's
+            sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            gathered = self.accelerator.gather(sequence_advantage).tolist()
+            # GRPO's table is a bounded deque: a batch larger than its bound (an eval batch) left only its tail there
+            for _ in range(min(len(gathered), len(self._logs["advantages"]))):
+                self._logs["advantages"].pop()
+            self._logs["advantages"].extend(gathered)
+
+    def _opd_metric_sums(self, scores, old_per_token_logps, advantages, mask, completion_mask) -> torch.Tensor:
+        """`opd_metric_sums` with the sequence and completion-token counts, summed over processes."""
         sums = opd_metric_sums(
             teacher_per_token_logps=scores.logps,
             old_per_token_logps=old_per_token_logps,
@@ -127,7 +122,9 @@ class OPDMetricsMixin:
             chunk_ends=scores.chunk_ends,
         )
         counts = torch.tensor([float(mask.size(0)), completion_mask.sum().item()], device=sums.device)
-        sums = self.accelerator.reduce(torch.cat([sums, counts]), reduction="sum")
+        return self.accelerator.reduce(torch.cat([sums, counts]), reduction="sum")
+
+    def _log_metric_sums(self, mode, sums) -> None:
         sums, (num_sequences, num_completion_tokens) = sums[:-2], sums[-2:].tolist()
         for name, value in opd_metrics_from_sums(sums).items():
             self._metrics[mode][name].append(value)
@@ -136,14 +133,16 @@ class OPDMetricsMixin:
         self._metrics[mode]["opd/action_token_fraction"].append(num_tokens / max(num_completion_tokens, 1.0))
         self._metrics[mode]["data/completion_tokens_mean"].append(num_tokens / max(num_sequences, 1.0))
 
-        if completions_table and not self.reward_funcs:
-            # GRPO filled the completions table with this batch's (zero) reward advantages: show the teacher's
-            sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            gathered = self.accelerator.gather(sequence_advantage).tolist()
-            # GRPO's table is a bounded deque: a batch larger than its bound (an eval batch) left only its tail there
-            for _ in range(min(len(gathered), len(self._logs["advantages"]))):
-                self._logs["advantages"].pop()
-            self._logs["advantages"].extend(gathered)
+    def _show_table_advantages(self, rows, advantages, mask, table_rows: int) -> None:
+        """Each row's mean advantage at its place in GRPO's completions table (a bounded deque that ends with the
+        `table_rows` rows of the batch being trained; rows that fell off its front are skipped)."""
+        sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        pairs = self.accelerator.gather(torch.stack([rows.to(sequence_advantage.dtype), sequence_advantage], -1))
+        table = self._logs["advantages"]
+        first = table_rows - len(table)  # the batch row at the table's front
+        for row, value in pairs.tolist():
+            if int(row) >= first:
+                table[int(row) - first] = value
 
     def _count_completion_tokens(self, num_tokens: int) -> None:
         """Add a training generation batch's sampled tokens, all processes, to `data/completion_tokens_*`: once per

@@ -19,12 +19,13 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, use_adapter
 
+from .advantages import AdvantagesMixin
 from .alignment import ByteVocabulary
 from .checks import check_chat_template, check_model_files, check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
 from .hub import HubMixin
-from .loss import opd_advantages, shared_temperature
+from .loss import shared_temperature
 from .metrics import OPDMetricsMixin
 from .multiturn import action_mask
 from .overlap import OverlapScoringMixin
@@ -51,7 +52,7 @@ def _teacher_only(**kwargs):
 
 
 class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMixin, OPDMetricsMixin,
-                 PolicyObjectiveMixin, DenseLossMixin, GRPOTrainer):
+                 AdvantagesMixin, PolicyObjectiveMixin, DenseLossMixin, GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
 
     Args:
@@ -296,12 +297,13 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
             mask = self._restrict_action_mask(output, scores)
         if mode == "train":
             self._count_completion_tokens(int(output["num_items_in_batch"]))  # all processes' action tokens
-        if output.get("old_per_token_logps") is None and self.args.opd_coef == 0.0 and not self.reward_funcs:
-            # A dense term alone: the advantage is 0 whatever the old log-probs, and on-policy they are the loss
-            # forward's own, so the metrics that need them are logged from that forward (no extra student forward)
+        if self.reward_funcs:
+            output["reward_advantages"] = output["advantages"]  # (B,), GRPO's; joined with the teacher's
+        if self._advantages_in_loss_forward(output):
+            # On-policy, the old log-probs are the loss forward's own, detached: the advantage is formed there, in
+            # the one student forward (`_use_loss_forward_logps`), and the metrics that need them are logged there
             self._check_finite(scores.logps, None, mask)
-            output["advantages"] = torch.zeros_like(scores.logps)
-            self._defer_sampled_metrics(output, scores)
+            self._defer_advantages(output, scores)
             self._keep_dense_inputs(output, scores)
             return output
         self._old_policy_pass(output)
@@ -310,18 +312,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
                                                        scores.logps))
         old_per_token_logps = output["old_per_token_logps"]  # (B, T)
         self._check_finite(scores.logps, old_per_token_logps, mask)
-
-        teacher_advantages = opd_advantages(
-            scores.logps, old_per_token_logps, mask, coef=self.args.opd_coef, discount=self.args.kl_discount_factor,
-            chunk_ends=scores.chunk_ends,
-        )  # (B, T)
-        if not self.reward_funcs:
-            output["advantages"] = teacher_advantages
-        elif self.args.opd_reward_combination == "advantage":
-            reward_advantages = output["advantages"][:, None] * mask  # (B, 1) -> (B, T)
-            output["advantages"] = reward_advantages + self.args.opd_loss_coef * teacher_advantages
-        else:
-            output["teacher_advantages"] = teacher_advantages
+        teacher_advantages = self._set_advantages(output, scores, old_per_token_logps)
         self._keep_dense_inputs(output, scores)
         self._log_opd_metrics(mode, scores, old_per_token_logps, teacher_advantages, mask, completion_mask)
         return output
@@ -357,8 +348,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         `old_per_token_logps` where GRPO did not already compute them (on-policy, no vLLM), and, with a
         cross-tokenizer teacher's byte credit, the student's side of that credit, `student_prefix_shift` (see
         `byte_credit`; then a forward of its own where GRPO computed the old log-probs)."""
-        args = self.args
-        byte_credit = args.teacher_tokenizer_mode == "cross" and (args.teacher_cross_credit or "byte") == "byte"
+        byte_credit = self.args.byte_credit
         done = output.get("old_per_token_logps") is not None
         if done and (not byte_credit or "student_prefix_shift" in output):
             return
@@ -394,5 +384,5 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
     # ------------------------------------------------------------------ loss
 
     def _compute_loss(self, model, inputs):
-        with self._sampled_metrics_from_loss_forward(inputs):
+        with self._observe_loss_forward_logps(inputs):
             return self._dense_and_policy_loss(model, inputs)

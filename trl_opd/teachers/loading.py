@@ -117,7 +117,7 @@ def _served_topk(args) -> int:
     probe, so that a server allowing fewer is refused before training)."""
     if args.opd_estimator == "topk":
         return args.opd_topk
-    if args.teacher_tokenizer_mode == "cross" and (args.teacher_cross_credit or "byte") == "byte":
+    if args.byte_credit:
         from .byte_credit import SERVED_EXTENSION_TOPK
 
         return SERVED_EXTENSION_TOPK
