@@ -36,10 +36,11 @@ def _observed_rollout(prompts, trainer):
     return result
 
 
-def _train_one_step(tiny, prompts, make_config, *, separate_forward, rewards=False, rollout=False, **overrides):
+def _train_one_step(tiny, prompts, make_config, *, separate_forward, rewards=False, rollout=False, fused_head=False,
+                    **overrides):
     """One optimizer step; with `separate_forward`, the advantage is formed at generation from a no-grad forward of
-    the sampling policy, the path every batch took before. Returns the trainer and the student's forwards outside
-    generation."""
+    the sampling policy, the path every batch took before; with `fused_head`, the loss forward's log-probs come from
+    GRPO's fused head over every position. Returns the trainer and the student's forwards outside generation."""
     config = make_config(max_steps=1, num_generations=2 if rewards else 1,
                          max_completion_length=32 if rollout else 8, **overrides)
     trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=config,
@@ -47,6 +48,8 @@ def _train_one_step(tiny, prompts, make_config, *, separate_forward, rewards=Fal
                          rollout_func=_observed_rollout if rollout else None)
     if separate_forward:
         trainer._advantages_in_loss_forward = lambda output: False
+    if fused_head:
+        trainer._compact_logps_apply = lambda inputs: False
     forwards, generating = [], []
     generate = trainer._generate
 
@@ -118,3 +121,16 @@ def test_where_grpo_computes_old_log_probs_the_advantage_is_formed_at_generation
     teacher = logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
     expected = (teacher - batch["old_per_token_logps"]) * batch["action_mask"]
     torch.testing.assert_close(batch["advantages"], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["teacher alone", "rewards, two objectives", "action mask"])
+def test_the_completion_only_projection_gives_grpo_s_log_probs_and_gradient(tiny, prompts, make_config, case):
+    # on a CPU, GRPO's fused head projects prompt positions too; the student's log-probs projected at the completion
+    # only (`student.py`) give the same loss, gradient norm, entropy and metrics
+    options = CASES[case]
+    compact, _ = _train_one_step(tiny, prompts, make_config, separate_forward=False, **options)
+    fused, _ = _train_one_step(tiny, prompts, make_config, separate_forward=False, fused_head=True, **options)
+    a, b = compact.state.log_history[0], fused.state.log_history[0]
+    assert set(a) == set(b)
+    for name in sorted(set(a) - set(_TIMING)):
+        assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), name

@@ -12,16 +12,12 @@ sampled tokens' log-probs, the entropy) come from one no-grad projection in tile
 from __future__ import annotations
 
 import torch
-from accelerate.utils import is_peft_model
 from trl.models.utils import _ForwardRedirection
 
 from .heads import OutputHead, head_token_stats
 from .loss import dense_divergence, dense_topk_divergence, divergence_name
+from .student import MULTIMODAL_INPUTS
 from .teachers.base import TeacherScores
-
-# inputs that GRPO's loss forward passes to a vision-language student: the lean path leaves those to GRPO
-_MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
-                      "mm_token_type_ids")
 
 
 class _ForwardOnly:
@@ -51,12 +47,14 @@ class DenseLossMixin:
             output["teacher_topk_logps"] = scores.topk_logps  # (B, T, k)
 
     def _dense_and_policy_loss(self, model, inputs):
-        if "teacher_hidden_states" not in inputs and "teacher_topk_ids" not in inputs:
+        dense = "teacher_hidden_states" in inputs or "teacher_topk_ids" in inputs
+        if not dense and not self._compact_logps_apply(inputs):
             return self._policy_loss(model, inputs)
         # The whole loss runs inside the student's forward (TRL's forward redirection, as its distillation trainer
         # does): DDP then prepares its backward once, and under ZeRO-3 the LM head, which the dense term reads
         # directly, is gathered on access and stays registered to the model for the backward, where ZeRO reduces its
-        # gradient. Inside, the student is called through its `forward`: its hooks already ran for this call.
+        # gradient. Inside, the student is called through its `forward`: its hooks already ran for this call. The same
+        # holds for the student's log-probs projected at the completion only (`student.py`), which read the head too.
         unwrapped = self.accelerator.unwrap_model(model)
         return self._forward_redirection(model, unwrapped, self._loss_inside_forward, _ForwardOnly(unwrapped), inputs)
 
@@ -71,6 +69,8 @@ class DenseLossMixin:
             hidden = hidden.last_hidden_state
             self._log_lean_forward_metrics(inputs, hidden, student)
             return self._dense_weight * self._dense_loss(inputs, hidden, student)
+        if "teacher_hidden_states" not in inputs and "teacher_topk_ids" not in inputs:
+            return self._policy_loss(model, inputs)  # no dense term: GRPO's loss, its log-probs compact
         hidden = []
         hook = student.base_model.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state))
         try:
@@ -83,7 +83,7 @@ class DenseLossMixin:
         """Zero advantages (a dense term alone), formed in this forward (see `advantages`), and no other term in
         GRPO's loss."""
         return (self.args.opd_coef == 0.0 and not self.reward_funcs and "teacher_per_token_logps" in inputs
-                and self._no_other_grpo_loss_term() and not any(key in inputs for key in _MULTIMODAL_INPUTS))
+                and self._no_other_grpo_loss_term() and not any(key in inputs for key in MULTIMODAL_INPUTS))
 
     def _no_other_grpo_loss_term(self) -> bool:
         """GRPO's loss has no KL penalty, entropy bonus or MoE auxiliary term: with zero advantages it is 0."""
@@ -111,14 +111,6 @@ class DenseLossMixin:
         if self.args.opd_dense_coef is None:  # the sampled estimator: no dense term
             return 0.0
         return self.args.opd_dense_coef * (self.args.opd_loss_coef if self.reward_funcs else 1.0)
-
-    def _student_head(self, student) -> OutputHead:
-        """The student's LM head at the sampling temperature: the policy that sampled, as GRPO's log-probs are."""
-        return OutputHead.of(student, temperature=self.temperature)
-
-    def _student_causal_lm(self):
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
     def _dense_loss(self, inputs, student_hidden, student) -> torch.Tensor:
         """The divergence of `opd_divergence_beta` (the reverse KL by default) over the vocabulary ('full': exact;
@@ -151,6 +143,18 @@ class DenseLossMixin:
 
     def _policy_loss(self, model, inputs) -> torch.Tensor:
         """GRPO's loss on the batch's advantages (`policy.PolicyObjectiveMixin`)."""
+        raise NotImplementedError
+
+    def _student_head(self, student) -> OutputHead:
+        """The student's LM head at the sampling temperature (`student.StudentMixin`)."""
+        raise NotImplementedError
+
+    def _student_causal_lm(self):
+        """The student without its PEFT or distributed wrappers (`student.StudentMixin`)."""
+        raise NotImplementedError
+
+    def _compact_logps_apply(self, inputs) -> bool:
+        """Whether the loss forward's log-probs are projected at the completion only (`student.StudentMixin`)."""
         raise NotImplementedError
 
     def _use_loss_forward_logps(self, inputs, old) -> None:

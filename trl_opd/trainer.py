@@ -31,6 +31,7 @@ from .multiturn import action_mask
 from .overlap import OverlapScoringMixin
 from .policy import PolicyObjectiveMixin
 from .runs import RunSafetyMixin
+from .student import StudentMixin
 from .teacher_inputs import TeacherInputsMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.byte_credit import student_prefix_shift
@@ -52,7 +53,7 @@ def _teacher_only(**kwargs):
 
 
 class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMixin, OPDMetricsMixin,
-                 AdvantagesMixin, PolicyObjectiveMixin, DenseLossMixin, GRPOTrainer):
+                 AdvantagesMixin, PolicyObjectiveMixin, StudentMixin, DenseLossMixin, GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
 
     Args:
@@ -384,5 +385,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
     # ------------------------------------------------------------------ loss
 
     def _compute_loss(self, model, inputs):
-        with self._observe_loss_forward_logps(inputs):
+        # the student's log-probs projected at the completion (where GRPO's head would project every position), and
+        # observed for the advantage (on-policy); the dense terms and GRPO's objective on that one forward
+        with self._compact_student_logps(inputs), self._observe_loss_forward_logps(inputs):
             return self._dense_and_policy_loss(model, inputs)
