@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .heads import OutputHead, head_token_logps
+from .heads import OutputHead, head_token_logps, tile_elements_for
 
 # Order of the entries of `opd_metric_sums`, so the vector can be summed across processes in one reduction
 _SUM_NAMES = ("tokens", "kl", "kl_sq", "teacher_logp", "student_logp", "advantage", "agreement", "entropy")
@@ -92,15 +92,24 @@ def dense_divergence(
     tensor exists whole. The gradient flows to the student's hidden states and head only. Masked positions are 0.
     The sum runs over the student's vocabulary: a teacher with extra rows is renormalised over the student's.
     """
-    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+    from trl.kernels.chunked_divergence import VOCAB_CHUNK_SIZE, ChunkedDivergenceFunction
 
     temperature, student_scale, teacher_scale = shared_temperature(student_head, teacher_head)
     valid = mask.bool()
-    divergence, _ = ChunkedDivergenceFunction.apply(
-        student_hidden[valid], student_head.weight, student_head.bias,
-        teacher_hidden[valid].to(student_hidden.device), teacher_head.weight, teacher_head.bias,
-        float(beta), temperature, student_scale, student_head.softcap, teacher_scale, teacher_head.softcap,
-    )
+    student_valid, teacher_valid = student_hidden[valid], teacher_hidden[valid].to(student_hidden.device)
+    # The kernel holds (positions, 32768) float32 tiles, up to 4096 positions at once, and on a CPU its torch fallback
+    # several more of that size: it is called on as many positions as a tile of this device's size holds (4096 on an
+    # accelerator, the kernel's own; 256 on a CPU), so the memory stays flat in the number of positions
+    rows = max(1, tile_elements_for(student_hidden.device) // VOCAB_CHUNK_SIZE)
+    parts = [
+        ChunkedDivergenceFunction.apply(
+            student_valid[start : start + rows], student_head.weight, student_head.bias,
+            teacher_valid[start : start + rows], teacher_head.weight, teacher_head.bias,
+            float(beta), temperature, student_scale, student_head.softcap, teacher_scale, teacher_head.softcap,
+        )[0]
+        for start in range(0, max(student_valid.size(0), 1), rows)  # one call even with no position (the graph)
+    ]
+    divergence = torch.cat(parts)
     # masked_scatter keeps the graph even when no position is valid
     return divergence.new_zeros(mask.shape).masked_scatter(valid, divergence)
 
