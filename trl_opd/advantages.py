@@ -67,7 +67,7 @@ class AdvantagesMixin:
             output["advantages"] = unformed
         # where each row's advantage goes in GRPO's completions table, which holds the gathered generation batch
         rows = output["completion_ids"].size(0)
-        output["opd_table_row"] = torch.arange(rows, device=scores.logps.device) + self.accelerator.process_index * rows
+        output["opd_table_row"] = self._table_row_index(rows)
         self._expect_deferred_rows(rows, rows * self.accelerator.num_processes)
 
     @contextmanager
@@ -109,4 +109,8 @@ class AdvantagesMixin:
 
     def _log_deferred_metrics(self, inputs, scores: TeacherScores, old_per_token_logps, advantages) -> None:
         """A deferred micro-batch's `opd/*` metrics and table rows (`metrics.OPDMetricsMixin`)."""
+        raise NotImplementedError
+
+    def _table_row_index(self, rows: int) -> torch.Tensor:
+        """This process's rows' places in GRPO's completions table (`metrics.OPDMetricsMixin`)."""
         raise NotImplementedError

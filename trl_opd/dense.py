@@ -46,9 +46,13 @@ class DenseLossMixin:
             output["teacher_topk_ids"] = scores.topk_ids  # (B, T, k), for the topk estimator's term
             output["teacher_topk_logps"] = scores.topk_logps  # (B, T, k)
 
+    @staticmethod
+    def _has_dense_term(inputs) -> bool:
+        """The batch kept the teacher's side of a dense term (`_keep_dense_inputs`)."""
+        return "teacher_hidden_states" in inputs or "teacher_topk_ids" in inputs
+
     def _dense_and_policy_loss(self, model, inputs):
-        dense = "teacher_hidden_states" in inputs or "teacher_topk_ids" in inputs
-        if not dense and not self._compact_logps_apply(inputs):
+        if not self._has_dense_term(inputs) and not self._compact_logps_apply(inputs):
             return self._policy_loss(model, inputs)
         # The whole loss runs inside the student's forward (TRL's forward redirection, as its distillation trainer
         # does): DDP then prepares its backward once, and under ZeRO-3 the LM head, which the dense term reads
@@ -69,7 +73,7 @@ class DenseLossMixin:
             hidden = hidden.last_hidden_state
             self._log_lean_forward_metrics(inputs, hidden, student)
             return self._dense_weight * self._dense_loss(inputs, hidden, student)
-        if "teacher_hidden_states" not in inputs and "teacher_topk_ids" not in inputs:
+        if not self._has_dense_term(inputs):
             return self._policy_loss(model, inputs)  # no dense term: GRPO's loss, its log-probs compact
         hidden = []
         hook = student.base_model.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state))

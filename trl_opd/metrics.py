@@ -101,14 +101,10 @@ class OPDMetricsMixin:
         """A generation batch's `opd/*` and `data/*` metrics, and (teacher alone) its advantages in the table."""
         self._log_metric_sums(mode, self._opd_metric_sums(scores, old_per_token_logps, advantages, mask,
                                                           completion_mask))
-        if not self.reward_funcs:
-            # GRPO filled the completions table with this batch's (zero) reward advantages: show the teacher's
-            sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            gathered = self.accelerator.gather(sequence_advantage).tolist()
-            # GRPO's table is a bounded deque: a batch larger than its bound (an eval batch) left only its tail there
-            for _ in range(min(len(gathered), len(self._logs["advantages"]))):
-                self._logs["advantages"].pop()
-            self._logs["advantages"].extend(gathered)
+        if not self.reward_funcs:  # GRPO filled the table with this batch's (zero) reward advantages
+            rows = mask.size(0)
+            self._show_table_advantages(self._table_row_index(rows), advantages, mask,
+                                        rows * self.accelerator.num_processes)
 
     def _opd_metric_sums(self, scores, old_per_token_logps, advantages, mask, completion_mask) -> torch.Tensor:
         """`opd_metric_sums` with the sequence and completion-token counts, summed over processes."""
@@ -133,9 +129,14 @@ class OPDMetricsMixin:
         self._metrics[mode]["opd/action_token_fraction"].append(num_tokens / max(num_completion_tokens, 1.0))
         self._metrics[mode]["data/completion_tokens_mean"].append(num_tokens / max(num_sequences, 1.0))
 
+    def _table_row_index(self, rows: int) -> torch.Tensor:
+        """This process's `rows` rows' places in the gathered generation batch, GRPO's completions table's order."""
+        return torch.arange(rows, device=self.accelerator.device) + self.accelerator.process_index * rows
+
     def _show_table_advantages(self, rows, advantages, mask, table_rows: int) -> None:
         """Each row's mean advantage at its place in GRPO's completions table (a bounded deque that ends with the
-        `table_rows` rows of the batch being trained; rows that fell off its front are skipped)."""
+        `table_rows` rows of the batch being trained: an eval batch larger than its bound left only its tail there,
+        and rows that fell off its front are skipped)."""
         sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         pairs = self.accelerator.gather(torch.stack([rows.to(sequence_advantage.dtype), sequence_advantage], -1))
         table = self._logs["advantages"]
