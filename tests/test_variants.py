@@ -1,4 +1,5 @@
-"""Teacher variants (reference, student base, adapter, teacher-only prompt, temperature) and RL + OPD mixing."""
+"""Teacher variants (reference, adapter, teacher-only prompt, temperature) and RL + OPD mixing; the student as its own
+teacher is in test_self_distillation.py."""
 
 import json
 import math
@@ -51,30 +52,6 @@ def _assert_teacher_stays_frozen_when_the_student_moves(trainer):
     student = trainer._student_logps(ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:])
     torch.testing.assert_close(after, before)
     assert (student - before).abs().max() > 1e-3
-
-
-def test_student_base_as_teacher_self_distils_a_lora_student(tiny, prompts, make_config):
-    # a fresh adapter equals its base, so alone it has nothing to learn: with a teacher-only system prompt it is
-    # context distillation, the base with privileged context teaching the adapter to act without it
-    def run(**overrides):
-        config = make_config(max_steps=2, teacher_is_student_base=True, learning_rate=5e-2, **overrides)
-        trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts, peft_config=_lora())
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-        trainer.train()
-        moved = any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
-        return trainer, moved
-
-    plain, plain_moved = run()
-    assert plain.teacher_model is None and plain.ref_model is None  # no second copy of the weights
-    assert _first(plain)["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-5) and not plain_moved
-    context, context_moved = run(teacher_system_prompt="Answer with the number only.")
-    assert abs(_first(context)["opd/reverse_kl"]) > 1e-3 and context_moved
-    _assert_teacher_stays_frozen_when_the_student_moves(context)
-
-
-def test_student_base_as_teacher_needs_a_peft_student(tiny, prompts, make_config):
-    with pytest.raises(ValueError, match="teacher_is_student_base needs a PEFT student"):
-        OPDTrainer(model=str(tiny / "student"), args=make_config(teacher_is_student_base=True), train_dataset=prompts)
 
 
 # ------------------------------------------------------------------------------------------- adapter teacher

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from accelerate.utils import is_peft_model
-
 
 def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict[str, str] | None = None,
                          prompt_columns: tuple[str, ...] = ("prompt",)) -> None:
@@ -105,25 +103,19 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
     prompt_columns = ("prompt", *([args.teacher_prompt_column] if args.teacher_prompt_column else []))
     for name, dataset in datasets:
         check_prompt_dataset(dataset, name=name, required=required, prompt_columns=prompt_columns)
-    other_sources = args.teacher_server_url or args.ref_as_teacher or args.teacher_is_student_base or args.teachers
+    other_sources = args.teacher_server_url or args.ref_as_teacher or args.student_as_teacher or args.teachers
     if teacher_model is not None and other_sources:
         raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
     if args.teacher_source(teacher_model) is None:
         raise ValueError(
             "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set one of "
             "`teacher_model_name_or_path`, `teacher_server_url`, `teachers`, `ref_as_teacher` or "
-            "`teacher_is_student_base`."
+            "`student_as_teacher`."
         )
-    peft_student = peft_config is not None or (not isinstance(model, str) and is_peft_model(model))
-    if args.teacher_is_student_base and not peft_student:
+    if (args.ref_as_teacher or args.student_as_teacher) and args.teacher_temperature != 1.0:
         raise ValueError(
-            "teacher_is_student_base needs a PEFT student (pass `peft_config`, or `use_peft: true` in a recipe): "
-            "the teacher is the student's base model with its adapter disabled."
-        )
-    if (args.ref_as_teacher or args.teacher_is_student_base) and args.teacher_temperature != 1.0:
-        raise ValueError(
-            "teacher_temperature does not apply to ref_as_teacher / teacher_is_student_base: those teachers score "
-            "at the student's `temperature`, so the student starts equal to its teacher."
+            "teacher_temperature does not apply to ref_as_teacher / student_as_teacher: the student as its own "
+            "teacher scores at its sampling `temperature`, so that it starts equal to its teacher."
         )
     if args.teachers:
         check_routes(datasets, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +124,8 @@ class OPDConfig(GRPOConfig):
             "the rest (local or served teacher). 'full': the dense term is the exact reverse KL over the whole "
             "vocabulary (one local teacher). Dense terms are computed in tiles; with opd_coef > 0 the sampled term is "
             "added to them. Default: the best one the teacher source supports, as measured (README): 'full' for one "
-            "local teacher, 'topk' for a served one, 'sampled' otherwise (reference, student-base and routed "
+            "local teacher and for the student as its own (student_as_teacher; 'topk' where its weights move "
+            "between scoring and the loss), 'topk' for a served one, 'sampled' otherwise (reference and routed "
             "teachers).",
             "choices": list(OPD_ESTIMATORS),
         },
@@ -199,12 +201,32 @@ class OPDConfig(GRPOConfig):
             "loaded and opd/reverse_kl is 0 at the first step. A sanity check of the whole data path."
         },
     )
+    student_as_teacher: str | None = field(
+        default=None,
+        metadata={
+            "help": "Self-distillation: the student is its own teacher, reading the teacher's context "
+            "(teacher_system_prompt / teacher_prompt_column) that the student does not see. 'initial': its starting "
+            "weights (a PEFT student's adapter as it started, off for a new one; with full fine-tuning a frozen copy, "
+            "GRPO's reference model); 'live': its current weights, without gradient and without a second copy; "
+            "'ema': a moving average of its weights (teacher_ema_rate, teacher_ema_steps). Every estimator works "
+            "with each.",
+            "choices": [None, "initial", "live", "ema"],
+        },
+    )
+    teacher_ema_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "With student_as_teacher 'ema': each update moves the teacher this far towards the student, "
+            "teacher <- (1 - rate) * teacher + rate * student (1.0: a hard copy). Default 0.05."
+        },
+    )
+    teacher_ema_steps: int | None = field(
+        default=None,
+        metadata={"help": "With student_as_teacher 'ema': the optimizer steps between updates. Default 1."},
+    )
     teacher_is_student_base: bool = field(
         default=False,
-        metadata={
-            "help": "With a PEFT student: the teacher is the student's base model with the adapter disabled "
-            "(self-distillation, no second copy of the weights)."
-        },
+        metadata={"help": "Deprecated: `student_as_teacher: initial`, which it now sets."},
     )
     teachers: dict[str, Any] | str | None = field(
         default=None,
@@ -284,11 +306,12 @@ class OPDConfig(GRPOConfig):
 
     def teacher_source(self, teacher_model=None) -> str | None:
         """Where the teacher's scores come from, whichever way it was named: 'local', 'served', 'reference',
-        'student_base' or 'routed'; None while no source is known. `teacher_model` is what the trainer was given."""
+        'self' (student_as_teacher) or 'routed'; None while no source is known. `teacher_model` is what the trainer
+        was given."""
         if self.ref_as_teacher:
             return "reference"
-        if self.teacher_is_student_base:
-            return "student_base"
+        if self.student_as_teacher:
+            return "self"
         if self.teachers:
             return "routed"
         named = self.teacher_model_name_or_path if teacher_model is None else teacher_model
@@ -333,4 +356,11 @@ class OPDConfig(GRPOConfig):
             self.teacher_model_name_or_path = None  # `--teacher_model_name_or_path ""` unsets a recipe's teacher
         if isinstance(self.teacher_server_url, str):
             self.teacher_server_url = [self.teacher_server_url]
+        if self.teacher_is_student_base:
+            warnings.warn("teacher_is_student_base is deprecated: it is `student_as_teacher: initial`, now set.",
+                          FutureWarning, stacklevel=3)
+            self.teacher_is_student_base, self.student_as_teacher = False, self.student_as_teacher or "initial"
         check_options(self)
+        if self.student_as_teacher == "ema":
+            self.teacher_ema_rate = 0.05 if self.teacher_ema_rate is None else self.teacher_ema_rate
+            self.teacher_ema_steps = 1 if self.teacher_ema_steps is None else self.teacher_ema_steps

@@ -22,6 +22,7 @@ REWARD_COMBINATIONS = ("loss", "advantage")
 OPD_ESTIMATORS = ("sampled", "topk", "full")
 TOKENIZER_MODES = ("same", "cross")
 CROSS_CREDITS = ("byte", "chunk")
+SELF_TEACHER_KINDS = ("initial", "live", "ema")  # student_as_teacher: which of the student's weights teach
 # GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
@@ -41,7 +42,8 @@ def _check_choices(args: OPDConfig) -> None:
     """The options that name one of a few choices."""
     choices = {"opd_objective": OPD_OBJECTIVES, "opd_reward_combination": REWARD_COMBINATIONS,
                "teacher_tokenizer_mode": TOKENIZER_MODES}
-    optional = {"opd_estimator": OPD_ESTIMATORS, "teacher_cross_credit": CROSS_CREDITS}  # None: a default
+    optional = {"opd_estimator": OPD_ESTIMATORS, "teacher_cross_credit": CROSS_CREDITS,  # None: a default
+                "student_as_teacher": SELF_TEACHER_KINDS}
     for name, allowed in (*choices.items(), *optional.items()):
         value = getattr(args, name)
         if value not in allowed and not (name in optional and value is None):
@@ -84,6 +86,12 @@ def _check_numbers(args: OPDConfig) -> None:
         raise ValueError(f"teacher_temperature must be positive, got {args.teacher_temperature}.")
     if args.teacher_batch_size is not None and args.teacher_batch_size < 1:
         raise ValueError(f"teacher_batch_size must be a positive integer, got {args.teacher_batch_size}.")
+    if args.teacher_ema_rate is not None and not 0.0 < args.teacher_ema_rate <= 1.0:
+        raise ValueError(f"teacher_ema_rate must be in (0, 1] (1: a hard copy of the student), got "
+                         f"{args.teacher_ema_rate}.")
+    if args.teacher_ema_steps is not None and args.teacher_ema_steps < 1:
+        raise ValueError(f"teacher_ema_steps must be a positive number of optimizer steps, got "
+                         f"{args.teacher_ema_steps}.")
 
 
 def _check_teacher_options(args: OPDConfig) -> None:
@@ -111,7 +119,7 @@ def _check_teacher_options(args: OPDConfig) -> None:
         "teacher_model_name_or_path": args.teacher_model_name_or_path,
         "teacher_server_url": args.teacher_server_url,
         "ref_as_teacher": args.ref_as_teacher,
-        "teacher_is_student_base": args.teacher_is_student_base,
+        "student_as_teacher": args.student_as_teacher,
         "teachers": args.teachers,
     }
     chosen = [name for name, value in sources.items() if value]
@@ -124,6 +132,36 @@ def _check_teacher_options(args: OPDConfig) -> None:
         )
     if args.teacher_system_prompt and args.teacher_prompt_column:
         raise ValueError("Set teacher_system_prompt or teacher_prompt_column, not both.")
+    _check_self_teacher(args)
+
+
+def _updates_per_generation(args: OPDConfig) -> float:
+    """Optimizer steps taken on one generation batch."""
+    steps = args.steps_per_generation or args.gradient_accumulation_steps
+    return steps * args.num_iterations / args.gradient_accumulation_steps
+
+
+def _check_self_teacher(args: OPDConfig) -> None:
+    """What goes with `student_as_teacher`, and what it excludes."""
+    kind = args.student_as_teacher
+    for name in ("teacher_ema_rate", "teacher_ema_steps"):
+        if getattr(args, name) is not None and kind != "ema":
+            raise ValueError(f"{name} sets how the teacher follows the student with student_as_teacher: ema, and "
+                             f"this run has student_as_teacher: {kind}. Remove it, or set student_as_teacher: ema.")
+    if kind in ("live", "ema") and args.opd_estimator == "full" and _updates_per_generation(args) > 1:
+        raise ValueError(
+            f"opd_estimator='full' projects the teacher's hidden states, kept from scoring, through its head at the "
+            f"loss; with student_as_teacher: {kind} that head moves with the student, and this run takes "
+            f"{_updates_per_generation(args):g} optimizer steps per generation batch, so later steps would read a "
+            "teacher that never existed. Take one step per generation batch (steps_per_generation unset, "
+            "num_iterations 1), or use opd_estimator 'topk' or 'sampled'."
+        )
+    if kind and args.sync_ref_model:
+        raise ValueError(
+            f"sync_ref_model moves GRPO's reference model towards the student, which student_as_teacher: {kind} "
+            "may read as the teacher. Remove sync_ref_model; for a teacher that follows the student, set "
+            "student_as_teacher: ema (teacher_ema_rate, teacher_ema_steps)."
+        )
 
 
 def resolve_estimator(args: OPDConfig, source: str | None) -> None:
@@ -134,13 +172,17 @@ def resolve_estimator(args: OPDConfig, source: str | None) -> None:
     if args.opd_estimator is None and args.teacher_tokenizer_mode == "cross":
         args.opd_estimator = "sampled"
     if args.opd_estimator is None:
-        if source == "local":
+        moving = args.student_as_teacher in ("live", "ema") and _updates_per_generation(args) > 1
+        if source == "local" or (source == "self" and not moving):
             args.opd_estimator = "full"
+        elif source == "self":
+            args.opd_estimator = "topk"  # 'full' would read the moving head at the loss (see _check_self_teacher)
         elif source == "served":
             args.opd_estimator = "topk"
         else:
             args.opd_estimator = "sampled"
     _check_estimator_source(args.opd_estimator, source)
+    _check_self_teacher(args)
     if args.opd_coef is None:
         args.opd_coef = 1.0 if args.opd_estimator == "sampled" else 0.0
     if args.opd_estimator == "sampled" and args.opd_dense_coef is not None:
@@ -161,8 +203,8 @@ def resolve_estimator(args: OPDConfig, source: str | None) -> None:
 
 # The teacher sources that can provide each dense estimator's teacher side
 _ESTIMATOR_SOURCES = {
-    "full": ("local",),  # the teacher's final hidden states, kept from its scoring pass
-    "topk": ("local", "served"),  # the teacher's top-k tokens and log-probs at every position
+    "full": ("local", "self"),  # the teacher's final hidden states, kept from its scoring pass
+    "topk": ("local", "served", "self"),  # the teacher's top-k tokens and log-probs at every position
 }
 
 
@@ -170,7 +212,7 @@ def _check_estimator_source(estimator: str | None, source: str | None) -> None:
     if estimator not in _ESTIMATOR_SOURCES or source is None or source in _ESTIMATOR_SOURCES[estimator]:
         return
     named = {"served": "a served teacher (a server URL)", "reference": "ref_as_teacher",
-             "student_base": "teacher_is_student_base", "routed": "routed teachers (teachers)"}[source]
+             "routed": "routed teachers (teachers)"}[source]
     if estimator == "full":
         raise ValueError(
             f"opd_estimator='full' needs the teacher's hidden states, which only one local teacher model provides "
@@ -199,10 +241,10 @@ def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
                 "tokenizer: remove it, or set teacher_tokenizer_mode: cross."
             )
         return
-    if source in ("reference", "student_base"):
+    if source in ("reference", "self"):
         raise ValueError(
             f"teacher_tokenizer_mode 'cross' is for a teacher with its own tokenizer; "
-            f"{'ref_as_teacher' if source == 'reference' else 'teacher_is_student_base'} is the student's own model. "
+            f"{'ref_as_teacher' if source == 'reference' else 'student_as_teacher'} is the student's own model. "
             "Remove teacher_tokenizer_mode."
         )
     tokenizers = args.teacher_tokenizer_name_or_path
@@ -238,9 +280,9 @@ def _check_overlap(args: OPDConfig, source: str | None) -> None:
     if not args.opd_overlap_scoring:
         return
     routed_local = source == "routed" and not all(is_served(teacher) for teacher in args.teachers.values())
-    if source in ("local", "reference", "student_base") or routed_local:
+    if source in ("local", "reference", "self") or routed_local:
         named = {"local": "a local teacher model", "reference": "ref_as_teacher",
-                 "student_base": "teacher_is_student_base"}.get(source, "routed teachers with a local model")
+                 "self": "student_as_teacher"}.get(source, "routed teachers with a local model")
         raise ValueError(
             f"opd_overlap_scoring overlaps a served teacher's scoring with the student's update, and {named} runs on "
             "the trainer's own devices, between the same steps: there is nothing to overlap. Serve the teacher "

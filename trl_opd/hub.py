@@ -31,8 +31,9 @@ def describe_teacher(args) -> str:
     """The teacher as the model card shows it: server URLs without their credentials."""
     if args.ref_as_teacher:
         return "the student's own reference model (ref_as_teacher)"
-    if args.teacher_is_student_base:
-        return "the student's base model with its adapter disabled (teacher_is_student_base)"
+    if args.student_as_teacher:
+        weights = {"initial": "initial", "live": "current", "ema": "moving-average"}[args.student_as_teacher]
+        return f"the student itself, with its {weights} weights (student_as_teacher: {args.student_as_teacher})"
     if args.teachers:
         return "routed per row: " + ", ".join(f"{name}: {masked(source)}" for name, source in args.teachers.items())
     if args.teacher_server_url:

@@ -31,6 +31,7 @@ from .multiturn import action_mask
 from .overlap import OverlapScoringMixin
 from .policy import PolicyObjectiveMixin
 from .runs import RunSafetyMixin
+from .self_distillation import SelfDistillationMixin
 from .student import StudentMixin
 from .teacher_inputs import TeacherInputsMixin
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
@@ -53,13 +54,14 @@ def _teacher_only(**kwargs):
 
 
 class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMixin, OPDMetricsMixin,
-                 AdvantagesMixin, PolicyObjectiveMixin, StudentMixin, DenseLossMixin, GRPOTrainer):
+                 AdvantagesMixin, PolicyObjectiveMixin, StudentMixin, DenseLossMixin, SelfDistillationMixin,
+                 GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
 
     Args:
         model: the student, as a path/Hub id or a model (optionally wrapped by `peft_config`).
         teacher_model: the frozen teacher, as a path/Hub id or a model. Defaults to `args.teacher_model_name_or_path`;
-            leave it unset for the other sources: `teacher_server_url`, `ref_as_teacher`, `teacher_is_student_base`.
+            leave it unset for the other sources: `teacher_server_url`, `ref_as_teacher`, `student_as_teacher`.
         args: an `OPDConfig`.
         train_dataset / eval_dataset: prompt-only datasets with a `prompt` column (text or chat messages).
         processing_class: the student's tokenizer; loaded from the student's path when omitted.
@@ -130,7 +132,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         )
 
         user_beta = args.beta
-        if args.ref_as_teacher and user_beta == 0.0:
+        if (args.ref_as_teacher or args.student_as_teacher in ("initial", "ema")) and user_beta == 0.0:
             args.beta = _BUILD_REFERENCE_BETA  # GRPO builds (or, for PEFT, designates) its reference only for beta > 0
         try:
             super().__init__(
@@ -169,6 +171,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         self.accuracy_func = accuracy_func
         self.teacher_processing_class = teacher_processing_class
         self.teacher_tokenizers = teacher_tokenizers
+        self._prepare_self_teacher()
         self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()
 
@@ -183,21 +186,17 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
             for name, teacher in teachers.items() if isinstance(teacher, torch.nn.Module)
         }
         self.teacher_model = self.teacher_models.get("teacher")
-        if args.ref_as_teacher or args.teacher_is_student_base:
+        if args.ref_as_teacher:
             return ReferenceTeacher(self._reference_logps)
         student_vocab_size = self._student_causal_lm().config.get_text_config().vocab_size
-        scorers = {
-            name: LocalTeacher(
-                self.teacher_models[name],
-                batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
-                autocast=self.accelerator.autocast,
-                return_hidden=args.opd_estimator == "full",
-                topk=args.opd_topk if args.opd_estimator == "topk" else 0,
-                temperature=args.teacher_temperature,
-                student_vocab_size=student_vocab_size,
-            ) if name in self.teacher_models else teacher
-            for name, teacher in teachers.items()
-        }
+        scoring = dict(batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
+                       autocast=self.accelerator.autocast, return_hidden=args.opd_estimator == "full",
+                       topk=args.opd_topk if args.opd_estimator == "topk" else 0, student_vocab_size=student_vocab_size)
+        if args.student_as_teacher:  # at the student's sampling temperature, so that it starts equal to its teacher
+            scorers = {"teacher": self._self_teacher(temperature=self.temperature, **scoring)}
+        else:
+            scorers = {name: LocalTeacher(self.teacher_models[name], temperature=args.teacher_temperature, **scoring)
+                       if name in self.teacher_models else teacher for name, teacher in teachers.items()}
         if args.opd_estimator == "topk" and args.opd_topk > student_vocab_size:
             raise ValueError(f"opd_topk={args.opd_topk} exceeds the student's vocabulary of {student_vocab_size} "
                              "tokens: the top-k term compares at most that many. Lower opd_topk.")
@@ -239,9 +238,9 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
     def _reference_logps(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
         """Log-probs of the student's starting point: GRPO's reference model, or the student with its adapter off."""
         model, adapter = self.model, None
-        if self.args.ref_as_teacher and self.ref_model is not None:
+        if self.ref_model is not None:
             model = self.ref_model
-        elif self.args.ref_as_teacher and "ref" in self.accelerator.unwrap_model(self.model).peft_config:
+        elif "ref" in self.accelerator.unwrap_model(self.model).peft_config:
             adapter = "ref"  # a student that came with a trained adapter: GRPO keeps a frozen copy as "ref"
         if model is self.model:
             with use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=adapter):

@@ -1,0 +1,113 @@
+"""The student as its own teacher (`student_as_teacher`): the scorer of each kind, the 'ema' kind's averaging after
+optimizer steps, and its teacher's weights in every checkpoint (they are not the student's, and a resumed run must
+continue from them, not from the student's starting weights).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import TrainerCallback
+
+from .teachers.student import EMA_ADAPTER, StudentTeacher, add_ema_adapter, ema_pairs, ema_update
+
+EMA_WEIGHTS = "teacher_ema.safetensors"  # in each checkpoint of a run with student_as_teacher: ema
+
+
+class _TeacherEMA(TrainerCallback):
+    """Moves the 'ema' teacher towards the student every `teacher_ema_steps` optimizer steps."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.teacher_ema_steps == 0:
+            self.trainer._update_teacher_ema()
+
+
+class SelfDistillationMixin:
+    """Mixed into OPDTrainer before GRPOTrainer. Reads GRPO's `args`, `model`, `ref_model`, `accelerator` and
+    `is_deepspeed_enabled`; the trainer calls `_prepare_self_teacher` once GRPO's set-up is done."""
+
+    def _prepare_self_teacher(self) -> None:
+        """The 'ema' kind's copy of the weights (a PEFT student's "ema" adapter; GRPO's reference copy otherwise,
+        built at set-up) and its averaging callback."""
+        if self.args.student_as_teacher != "ema":
+            return
+        student = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(student):
+            add_ema_adapter(student)
+        self.add_callback(_TeacherEMA(self))
+
+    def _self_teacher(self, **scoring) -> StudentTeacher:
+        """The scorer of `student_as_teacher`'s kind, over the model that holds its weights."""
+        kind, student = self.args.student_as_teacher, self.accelerator.unwrap_model(self.model)
+        if kind == "live":
+            return StudentTeacher(lambda: self.model, adapter=StudentTeacher.LIVE, **scoring)
+        if is_peft_model(student):
+            initial = "ref" if "ref" in student.peft_config else None  # a pretrained adapter's copy, else none
+            return StudentTeacher(lambda: self.model, adapter=EMA_ADAPTER if kind == "ema" else initial, **scoring)
+        return StudentTeacher(lambda: self.ref_model, adapter=None, **scoring)
+
+    def _teacher_ema_pairs(self):
+        student = self.accelerator.unwrap_model(self.model)
+        copy = None if is_peft_model(student) else getattr(self.ref_model, "module", self.ref_model)
+        return ema_pairs(student, copy)
+
+    def _update_teacher_ema(self) -> None:
+        ema_update(self._teacher_ema_pairs(), self.args.teacher_ema_rate, zero3=self._zero3())
+
+    def _zero3(self) -> bool:
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return plugin is not None and plugin.zero_stage == 3
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The student, and with the 'ema' kind its teacher's weights beside it (before the trainer state, which a
+        checkpoint writes last)."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.student_as_teacher == "ema":
+            self._save_teacher_ema(Path(output_dir or self.args.output_dir))
+
+    def _save_teacher_ema(self, output_dir: Path) -> None:
+        from safetensors.torch import save_file
+
+        teachers = {name: teacher for name, (teacher, _) in self._teacher_ema_pairs().items()}
+        gathered = nullcontext()
+        if self._zero3():
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(list(teachers.values()))
+        with gathered:
+            tensors = {name: teacher.detach().cpu().clone() for name, teacher in teachers.items()}
+        if self.accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(output_dir / EMA_WEIGHTS))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.args.student_as_teacher != "ema":
+            return
+        from safetensors.torch import load_file
+
+        path = Path(resume_from_checkpoint) / EMA_WEIGHTS
+        if not path.is_file():
+            raise ValueError(
+                f"{resume_from_checkpoint} has no {EMA_WEIGHTS}: it was not written by a run with student_as_teacher: "
+                "ema, so the teacher's averaged weights cannot be restored. Resume it with the kind it was trained "
+                "with, or start a new run."
+            )
+        saved, teachers = load_file(str(path)), {name: t for name, (t, _) in self._teacher_ema_pairs().items()}
+        if saved.keys() != teachers.keys():
+            raise ValueError(f"{path} holds other parameters than this run's 'ema' teacher: it was written for "
+                             "another model or adapter.")
+        gathered = nullcontext()
+        if self._zero3():
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(list(teachers.values()), modifier_rank=0)
+        with torch.no_grad(), gathered:
+            for name, teacher in teachers.items():
+                teacher.copy_(saved[name].to(teacher.device, teacher.dtype))
