@@ -202,9 +202,38 @@ def test_teacher_temperature_is_refused_for_the_student_as_its_own_teacher(tiny,
 
 
 def test_a_moving_teacher_defaults_to_topk_where_full_would_read_a_moved_head(tmp_path):
-    config = OPDConfig(output_dir=str(tmp_path), report_to="none", bf16=False, student_as_teacher="ema", num_iterations=2)
+    config = OPDConfig(output_dir=str(tmp_path), report_to="none", bf16=False, student_as_teacher="ema",
+                       num_iterations=2)
     config.resolve_estimator()
     assert config.opd_estimator == "topk"
     config = OPDConfig(output_dir=str(tmp_path), report_to="none", bf16=False, student_as_teacher="ema")
     config.resolve_estimator()
     assert config.opd_estimator == "full"
+
+
+# ------------------------------------------------------------------------------- options that go with it
+
+
+def test_skipping_the_first_tokens_leaves_them_out_of_the_teachers_terms(tiny, prompts, make_config):
+    trainer = _trainer(tiny, prompts, make_config, peft=False, student_as_teacher="live", opd_skip_first_tokens=3)
+    output = trainer._generate_and_score_completions([prompts[i] for i in range(4)])
+    mask, completion_mask = output["action_mask"], output["completion_mask"]
+    assert (mask[:, :3] == 0).all() and torch.equal(mask[:, 3:], completion_mask[:, 3:])
+    assert torch.equal(output["tool_mask"], mask) and int(output["num_items_in_batch"]) == int(mask.sum())
+    with pytest.raises(ValueError, match="opd_skip_first_tokens must be 0 or more"):
+        make_config(opd_skip_first_tokens=-1)
+
+
+@pytest.mark.parametrize("k", [5, 486], ids=["top5", "whole-vocabulary"])
+def test_topk_mass_of_each_side_is_logged(tiny, prompts, tokenizer, make_config, k):
+    assert len(tokenizer) == 486
+    trainer = _trainer(tiny, prompts, make_config, peft=False, student_as_teacher="live", opd_estimator="topk",
+                       opd_topk=k, teacher_system_prompt=None, max_steps=1)
+    trainer.train()
+    first = _first(trainer, "opd/teacher_topk_mass")
+    # the same model on the same tokens: both sides see the same share, all of it when k is the vocabulary
+    assert first["opd/student_topk_mass"] == pytest.approx(first["opd/teacher_topk_mass"], abs=1e-5)
+    if k == len(tokenizer):
+        assert first["opd/teacher_topk_mass"] == pytest.approx(1.0, abs=1e-5)
+    else:
+        assert 0.05 < first["opd/teacher_topk_mass"] < 1.0 - 1e-3

@@ -159,6 +159,12 @@ def check_options_apply(args, *, has_rewards: bool) -> None:
             "reverse KL's estimate from the student's own samples: a forward KL or JSD would need the teacher's "
             "distribution, which only 'topk' and 'full' compare. Use one of those, or leave the beta at 1."
         )
+    if has_rewards and args.opd_skip_first_tokens:
+        raise ValueError(
+            f"opd_skip_first_tokens={args.opd_skip_first_tokens} leaves tokens out of the teacher's terms, and with "
+            "reward functions GRPO's objective shares the mask of the tokens it trains: they would leave the reward's "
+            "term too. Remove it, or train on the teacher alone."
+        )
     if not has_rewards and args.opd_loss_coef != 1.0:
         raise ValueError(
             f"opd_loss_coef={args.opd_loss_coef} weighs the teacher against reward functions, and there are none: the "

@@ -261,6 +261,13 @@ class OPDConfig(GRPOConfig):
             "format (text or chat messages)."
         },
     )
+    opd_skip_first_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "Leave the first n completion tokens out of the teacher's terms (and their metrics): e.g. where a "
+            "teacher with privileged context opens its answer differently for reasons the student cannot see."
+        },
+    )
     opd_loss_coef: float = field(
         default=1.0,
         metadata={

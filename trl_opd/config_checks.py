@@ -86,6 +86,8 @@ def _check_numbers(args: OPDConfig) -> None:
         raise ValueError(f"teacher_temperature must be positive, got {args.teacher_temperature}.")
     if args.teacher_batch_size is not None and args.teacher_batch_size < 1:
         raise ValueError(f"teacher_batch_size must be a positive integer, got {args.teacher_batch_size}.")
+    if args.opd_skip_first_tokens < 0:
+        raise ValueError(f"opd_skip_first_tokens must be 0 or more tokens, got {args.opd_skip_first_tokens}.")
     if args.teacher_ema_rate is not None and not 0.0 < args.teacher_ema_rate <= 1.0:
         raise ValueError(f"teacher_ema_rate must be in (0, 1] (1: a hard copy of the student), got "
                          f"{args.teacher_ema_rate}.")

@@ -127,9 +127,13 @@ class DenseLossMixin:
         beta = self.args.opd_divergence_beta
         if "teacher_topk_ids" in inputs:
             name = f"opd/{divergence_name(beta)}_topk"
-            per_token = dense_topk_divergence(
-                student_hidden, student_head, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask, beta=beta
-            )  # (B, T)
+            per_token, mass = dense_topk_divergence(
+                student_hidden, student_head, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask, beta=beta,
+                with_mass=True,
+            )  # (B, T), (2, positions)
+            mass = self.accelerator.reduce(torch.cat([mass.sum(-1), mass.new_tensor([mass.size(-1)])]), "sum")
+            for i, side in enumerate(("student", "teacher")):  # how much of each distribution the top-k term sees
+                self._metrics[mode][f"opd/{side}_topk_mass"].append((mass[i] / mass[2].clamp(min=1.0)).item())
         else:
             name = f"opd/{divergence_name(beta)}_dense"
             per_token = dense_divergence(

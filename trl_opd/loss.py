@@ -151,14 +151,22 @@ def dense_topk_divergence(
     mask: torch.Tensor,
     *,
     beta: float = 1.0,
-) -> torch.Tensor:
+    with_mass: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`topk_divergence` at each masked-in position, shape (B, T), from the student's final hidden states (B, T, H),
     its output head, and the teacher's top-k token ids and log-probs (B, T, k). Masked positions are 0; the gradient
-    flows to the student's hidden states and head only."""
+    flows to the student's hidden states and head only. With `with_mass`, also how much of each distribution the
+    top-k term sees at each masked-in position: the student's and the teacher's probability on the teacher's top-k
+    ids, (2, positions), without gradient (the rest is the tail bucket)."""
     valid = mask.bool()
     student_logps = head_token_logps(student_hidden[valid], student_head, teacher_topk_ids[valid])
-    divergence = topk_divergence(student_logps, teacher_topk_logps[valid].to(student_logps.device), beta=beta)
-    return divergence.new_zeros(mask.shape).masked_scatter(valid, divergence)
+    teacher_logps = teacher_topk_logps[valid].to(student_logps.device)
+    divergence = topk_divergence(student_logps, teacher_logps, beta=beta)
+    divergence = divergence.new_zeros(mask.shape).masked_scatter(valid, divergence)
+    if not with_mass:
+        return divergence
+    mass = torch.stack([student_logps.detach().float().logsumexp(-1), teacher_logps.float().logsumexp(-1)]).exp()
+    return divergence, mass
 
 
 def dense_topk_reverse_kl(student_hidden, student_head, teacher_topk_ids, teacher_topk_logps, mask) -> torch.Tensor:

@@ -45,6 +45,13 @@ def action_mask(inputs: list[dict], completion_mask: torch.Tensor, tool_mask: to
     return mask
 
 
+def skip_first(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """`mask` (B, T) without each row's first `count` completion positions (`opd_skip_first_tokens`)."""
+    kept = mask.clone()
+    kept[:, :count] = 0
+    return kept
+
+
 def render_action_mask(tokenizer, completion_ids: list[int], mask: list[int], *, context=("⟦", "⟧")) -> str:
     """The completion as text with every run of non-action tokens (observations, template tokens, padding excluded
     by the caller) wrapped in `context` brackets: what the teacher reads but the student is not trained on."""

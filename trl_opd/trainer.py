@@ -27,7 +27,7 @@ from .dense import DenseLossMixin
 from .hub import HubMixin
 from .loss import shared_temperature
 from .metrics import OPDMetricsMixin
-from .multiturn import action_mask
+from .multiturn import action_mask, skip_first
 from .overlap import OverlapScoringMixin
 from .policy import PolicyObjectiveMixin
 from .runs import RunSafetyMixin
@@ -295,6 +295,8 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         mask = output["action_mask"]
         if scores.aligned is not None:  # a cross-tokenizer teacher: tokens in no aligned chunk are not distilled
             mask = self._restrict_action_mask(output, scores)
+        if self.args.opd_skip_first_tokens:  # after scoring: the teacher still reads those tokens
+            mask = self._set_action_mask(output, skip_first(mask, self.args.opd_skip_first_tokens))
         if mode == "train":
             self._count_completion_tokens(int(output["num_items_in_batch"]))  # all processes' action tokens
         if self.reward_funcs:
@@ -320,10 +322,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
     def _action_mask(self, inputs, output) -> torch.Tensor:
         """The tokens to distil, (B, T) (see `action_mask`). GRPO's loss reads `tool_mask`, so that is set to the same
         mask, and the batch's token count is recomputed from it."""
-        mask = action_mask(inputs, output["completion_mask"], output.get("tool_mask"))
-        output["action_mask"] = output["tool_mask"] = mask
-        output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
-        return mask
+        return self._set_action_mask(output, action_mask(inputs, output["completion_mask"], output.get("tool_mask")))
 
     def _restrict_action_mask(self, output, scores: TeacherScores) -> torch.Tensor:
         """Drop from the action mask the sampled tokens a cross-tokenizer teacher could not align (its tokenizer
@@ -339,6 +338,10 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
             self._metrics[mode]["opd/aligned_chunk_tokens_mean"].append(aligned_count / chunks)
         self._metrics[mode]["opd/unaligned_token_fraction"].append(1.0 - aligned_count / max(sampled_count, 1.0))
         output["sampled_mask"] = sampled  # what the student sampled, aligned or not (`trl-opd check` shows it)
+        return self._set_action_mask(output, mask)
+
+    def _set_action_mask(self, output, mask: torch.Tensor) -> torch.Tensor:
+        """`mask` as the tokens to distil (GRPO's `tool_mask` too), with the batch's token count from it."""
         output["action_mask"] = output["tool_mask"] = mask
         output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         return mask
