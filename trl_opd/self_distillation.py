@@ -18,10 +18,16 @@ EMA_WEIGHTS = "teacher_ema.safetensors"  # in each checkpoint of a run with stud
 
 
 class _TeacherEMA(TrainerCallback):
-    """Moves the 'ema' teacher towards the student every `teacher_ema_steps` optimizer steps."""
+    """Restores the 'ema' teacher of a resumed run once the models are placed (under DeepSpeed the Trainer loads
+    checkpoints its own way, never through `_load_from_checkpoint`), and moves it towards the student every
+    `teacher_ema_steps` optimizer steps."""
 
     def __init__(self, trainer):
-        self.trainer = trainer
+        self.trainer, self.resume_from = trainer, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.resume_from is not None:
+            self.trainer._restore_teacher_ema(self.resume_from)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.teacher_ema_steps == 0:
@@ -40,7 +46,19 @@ class SelfDistillationMixin:
         student = self.accelerator.unwrap_model(self.model)
         if is_peft_model(student):
             add_ema_adapter(student)
-        self.add_callback(_TeacherEMA(self))
+        self._teacher_ema = _TeacherEMA(self)
+        self.add_callback(self._teacher_ema)
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        if self.args.student_as_teacher == "ema":  # a path here: `RunSafetyMixin.train` resolved it
+            if resume_from_checkpoint is not None and not (Path(resume_from_checkpoint) / EMA_WEIGHTS).is_file():
+                raise ValueError(
+                    f"{resume_from_checkpoint} has no {EMA_WEIGHTS}: it was not written by a run with "
+                    "student_as_teacher: ema, so the teacher's averaged weights cannot be restored. Resume it with the "
+                    "kind it was trained with, or start a new run."
+                )
+            self._teacher_ema.resume_from = resume_from_checkpoint
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _self_teacher(self, **scoring) -> StudentTeacher:
         """The scorer of `student_as_teacher`'s kind, over the model that holds its weights."""
@@ -86,19 +104,10 @@ class SelfDistillationMixin:
             output_dir.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(output_dir / EMA_WEIGHTS))
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if self.args.student_as_teacher != "ema":
-            return
+    def _restore_teacher_ema(self, resume_from_checkpoint) -> None:
         from safetensors.torch import load_file
 
         path = Path(resume_from_checkpoint) / EMA_WEIGHTS
-        if not path.is_file():
-            raise ValueError(
-                f"{resume_from_checkpoint} has no {EMA_WEIGHTS}: it was not written by a run with student_as_teacher: "
-                "ema, so the teacher's averaged weights cannot be restored. Resume it with the kind it was trained "
-                "with, or start a new run."
-            )
         saved, teachers = load_file(str(path)), {name: t for name, (t, _) in self._teacher_ema_pairs().items()}
         if saved.keys() != teachers.keys():
             raise ValueError(f"{path} holds other parameters than this run's 'ema' teacher: it was written for "

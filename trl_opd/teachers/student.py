@@ -86,14 +86,15 @@ def ema_pairs(student: torch.nn.Module, teacher: torch.nn.Module | None) -> dict
 def ema_update(pairs, rate: float, *, zero3: bool = False) -> None:
     """teacher <- teacher + rate * (student - teacher) for each of `ema_pairs`. Under ZeRO-3 each parameter is
     partitioned across processes: both are gathered, rank 0 updates, and the new value is partitioned back."""
-    if not zero3:
+    def update():
         for teacher, student in pairs.values():
             teacher.lerp_(student.to(teacher.dtype), rate)
+
+    if not zero3:
+        update()
         return
     import deepspeed
 
-    params = [param for pair in pairs.values() for param in pair]
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+    with deepspeed.zero.GatheredParameters([param for pair in pairs.values() for param in pair], modifier_rank=0):
         if deepspeed.comm.get_rank() == 0:
-            for teacher, student in pairs.values():
-                teacher.lerp_(student.to(teacher.dtype), rate)
+            update()
