@@ -151,6 +151,43 @@ def test_teacher_prompt_column(tiny, tokenizer, make_config):
                    args=make_config(teacher_prompt_column="teacher_prompt"), train_dataset=Dataset.from_list(rows))
 
 
+def test_teacher_prompt_template_fills_the_last_user_message_from_the_row(tiny, tokenizer, make_config):
+    # self-distillation with the reference answer as privileged context: the template over each row's columns
+    rows = [json.loads(line) for line in open(tiny / "train.jsonl")][:8]
+    dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": "Be brief."}, *row["prompt"]],
+                                  "answer": row["answer"]} for row in rows])
+    template = "{prompt}\n\nA worked answer: {answer}"
+    trainer = OPDTrainer(model=str(tiny / "student"), train_dataset=dataset, args=make_config(
+        max_steps=1, student_as_teacher="live", teacher_prompt_template=template))
+    trainer.teacher = _Recorder(trainer.teacher)
+    trainer.train()
+    prompt_ids, prompt_mask, _, _ = trainer.teacher.calls[0]
+    seen = {tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)}
+    expected = {tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": f"{row['prompt'][0]['content']}\n\nA worked answer: {row['answer']}"}],
+        add_generation_prompt=True, tokenize=False) for row in rows}
+    # each row's: the system message kept, the user message filled, the teacher's chat template around them
+    assert len(seen) == len(prompt_ids) and seen <= expected
+    assert _first(trainer)["opd/reverse_kl"] > 1e-3  # the live student with the answer in view: a real signal
+
+    from trl_opd.prompts import teacher_prompt
+    assert teacher_prompt({"prompt": "2 + 2?", "answer": "4"}, "2 + 2?", template=template) == (
+        "2 + 2?\n\nA worked answer: 4")  # a text prompt is filled whole
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(teacher_prompt_template="{prompt} {reference}"), "no 'reference' column .* teacher_prompt_template"),
+    (dict(teacher_prompt_template="{prompt} {0}"), "must name the row's columns as {column}"),
+    (dict(teacher_prompt_template="{prompt} {answer"), "is not a template"),
+    (dict(teacher_prompt_template="{prompt} {answer}", teacher_prompt_column="answer"), "not both"),
+])
+def test_a_template_that_cannot_be_filled_is_refused_before_training(tiny, prompts, make_config, options, message):
+    with pytest.raises(ValueError, match=message):
+        OPDTrainer(model=str(tiny / "student"), train_dataset=prompts,
+                   args=make_config(student_as_teacher="live", **options))
+
+
 # -------------------------------------------------------------------------------------------- temperature
 
 

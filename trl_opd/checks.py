@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .prompts import template_columns
+
 
 def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict[str, str] | None = None,
                          prompt_columns: tuple[str, ...] = ("prompt",)) -> None:
@@ -98,6 +100,9 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
     required = {}
     if args.teacher_prompt_column:
         required[args.teacher_prompt_column] = "which teacher_prompt_column names as the prompt the teacher sees"
+    if args.teacher_prompt_template:
+        for column in template_columns(args.teacher_prompt_template):
+            required[column] = f"which teacher_prompt_template {args.teacher_prompt_template!r} reads"
     if args.teachers:
         required[args.teacher_route_column] = f"to route rows to teachers {sorted(args.teachers)}"
     prompt_columns = ("prompt", *([args.teacher_prompt_column] if args.teacher_prompt_column else []))

@@ -205,9 +205,10 @@ class OPDConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Self-distillation: the student is its own teacher, reading the teacher's context "
-            "(teacher_system_prompt / teacher_prompt_column) that the student does not see. 'initial': its starting "
-            "weights (a PEFT student's adapter as it started, off for a new one; with full fine-tuning a frozen copy, "
-            "GRPO's reference model); 'live': its current weights, without gradient and without a second copy; "
+            "(teacher_system_prompt, teacher_prompt_template or teacher_prompt_column) that the student does not "
+            "see. 'initial': its starting weights (a PEFT student's adapter as it started, off for a new one; with "
+            "full fine-tuning a frozen copy, GRPO's reference model); 'live': its current weights, without gradient "
+            "and without a second copy; "
             "'ema': a moving average of its weights (teacher_ema_rate, teacher_ema_steps). Every estimator works "
             "with each.",
             "choices": [None, "initial", "live", "ema"],
@@ -259,6 +260,15 @@ class OPDConfig(GRPOConfig):
         metadata={
             "help": "A dataset column holding the prompt the teacher sees instead of the student's, in the same "
             "format (text or chat messages)."
+        },
+    )
+    teacher_prompt_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "The teacher's user message as a template over the row, e.g. \"{prompt}\\n\\nThe expected output "
+            "is: {solution}\": `{prompt}` is the student's last user message (its text), any other `{name}` the row's "
+            "column. The rest of the prompt (system message, earlier turns) is the student's; the teacher's chat "
+            "template renders the whole."
         },
     )
     opd_skip_first_tokens: int = field(
@@ -327,6 +337,11 @@ class OPDConfig(GRPOConfig):
         if teacher_model is not None or self.teacher_model_name_or_path:
             return "local"
         return None
+
+    @property
+    def teacher_own_prompt(self) -> bool:
+        """The teacher reads a prompt of its own (a system message, a template or a column), not the student's."""
+        return bool(self.teacher_system_prompt or self.teacher_prompt_template or self.teacher_prompt_column)
 
     @property
     def byte_credit(self) -> bool:

@@ -11,6 +11,7 @@ import math
 import warnings
 from typing import TYPE_CHECKING
 
+from .prompts import template_columns
 from .secrets import has_credentials, masked
 from .teachers.vllm_server import check_server_address, is_served
 
@@ -132,8 +133,11 @@ def _check_teacher_options(args: OPDConfig) -> None:
             "teacher_adapter_name_or_path goes onto a local teacher model (teacher_model_name_or_path), "
             f"not {chosen[0]}."
         )
-    if args.teacher_system_prompt and args.teacher_prompt_column:
-        raise ValueError("Set teacher_system_prompt or teacher_prompt_column, not both.")
+    if args.teacher_prompt_column and (args.teacher_system_prompt or args.teacher_prompt_template):
+        other = "teacher_system_prompt" if args.teacher_system_prompt else "teacher_prompt_template"
+        raise ValueError(f"Set {other} or teacher_prompt_column, not both: the column is the teacher's whole prompt.")
+    if args.teacher_prompt_template is not None:
+        template_columns(args.teacher_prompt_template)
     _check_self_teacher(args)
 
 

@@ -16,7 +16,7 @@ import tempfile
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
-from .prompts import teacher_prompt
+from .prompts import teacher_context, teacher_prompt
 from .recipe import build_trainer, load_prompts
 
 # Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
@@ -25,7 +25,8 @@ _REFERENCE_PASS = dict(
     opd_topk=None,
     teacher_model_name_or_path=None, teacher_server_url=None, student_as_teacher=None, teacher_ema_rate=None,
     teacher_ema_steps=None, teachers=None,
-    teacher_adapter_name_or_path=None, teacher_temperature=1.0, teacher_system_prompt=None, teacher_prompt_column=None,
+    teacher_adapter_name_or_path=None, teacher_temperature=1.0, teacher_system_prompt=None,
+    teacher_prompt_template=None, teacher_prompt_column=None,
     teacher_tokenizer_mode="same", teacher_tokenizer_name_or_path=None,
 )
 ZERO_KL_TOLERANCE = 1e-4
@@ -133,8 +134,7 @@ def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dic
     teacher, trainer, output, batch = _one_batch_metrics(script_args, teacher_args, model_args, rows)
 
     prompt = rows[0]["prompt"]
-    shown_to_teacher = teacher_prompt(rows[0], prompt, column=training_args.teacher_prompt_column,
-                                      system=training_args.teacher_system_prompt)
+    shown_to_teacher = teacher_prompt(rows[0], prompt, **teacher_context(training_args))
     student_tokenizer = trainer.processing_class
     teacher_name = teacher_args.teacher_model_name_or_path  # as build_trainer resolved it (OPD_MODELS_DIR)
     routed = training_args.teacher_route_column if training_args.teachers else None

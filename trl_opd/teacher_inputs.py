@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from trl.trainer.utils import pad
 
-from .prompts import teacher_prompt
+from .prompts import teacher_context, teacher_prompt
 from .teachers import TeacherScores
 
 
@@ -26,8 +26,7 @@ class TeacherInputsMixin:
     def _teacher_request(self, inputs, output) -> Callable[[], TeacherScores]:
         """The teacher's scoring of a generated batch, ready to call: everything it reads from the trainer (the
         teacher's prompts, the routes) is taken now, so the call may run later or in another thread."""
-        own_prompt = self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None
-        if self.args.ref_as_teacher and own_prompt and "ref_per_token_logps" in output:
+        if self.args.ref_as_teacher and not self.args.teacher_own_prompt and "ref_per_token_logps" in output:
             scores = TeacherScores(logps=output["ref_per_token_logps"])  # GRPO computed them for its KL term
             return lambda: scores
         completion_ids, completion_mask = output["completion_ids"], output["completion_mask"]
@@ -43,7 +42,7 @@ class TeacherInputsMixin:
 
     def _teacher_prompts(self, inputs, output) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message or column)."""
-        if self.args.teacher_prompt_column is None and self.args.teacher_system_prompt is None:
+        if not self.args.teacher_own_prompt:
             return output["prompt_ids"], output["prompt_mask"]
         prompts = self._teacher_prompt_messages(inputs, output)
         prompt_ids = [torch.tensor(ids) for ids in self._tokenize_prompts(prompts)[0]]
@@ -56,10 +55,9 @@ class TeacherInputsMixin:
         """The prompts the teacher reads, as text or chat messages: the student's as it saw them (with any observation
         an environment's reset() appended), plus any teacher-only prompt (system message or column)."""
         student_prompts = self._student_prompts
-        column, system = self.args.teacher_prompt_column, self.args.teacher_system_prompt
         if self.rollout_func is not None:
             self._check_rollout_prompts(student_prompts, output)
-        return [teacher_prompt(row, seen, column=column, system=system)
+        return [teacher_prompt(row, seen, **teacher_context(self.args))
                 for row, seen in zip(inputs, student_prompts, strict=True)]
 
     def _completion_messages(self, inputs) -> list[list[dict] | None]:
@@ -85,8 +83,9 @@ class TeacherInputsMixin:
             if ids[ids_mask.bool()].tolist() != list(rendered[i]):
                 raise ValueError(
                     f"Row {i}: the rollout function's prompt_ids are not the student's prompt as the trainer's chat "
-                    "template renders it, so the teacher's own prompt (teacher_system_prompt / teacher_prompt_column, "
-                    "or a cross-tokenizer teacher's rendering) cannot be rendered to match. Render prompts with the "
+                    "template renders it, so the teacher's own prompt (teacher_system_prompt, teacher_prompt_template, "
+                    "teacher_prompt_column, or a cross-tokenizer teacher's rendering) cannot be rendered to match. "
+                    "Render prompts with the "
                     "trainer's processing class and chat template in the rollout function, or put the teacher's "
                     "context in the rollout's own prompt."
                 )
