@@ -170,6 +170,30 @@ def test_routed_local_teachers_under_zero3_with_a_teacher_absent_from_one_rank(t
     assert all(entry["opd/reverse_kl"] > 0 for entry in sharded)
 
 
+@pytest.mark.parametrize(("kind", "use_peft"), [("initial", "false"), ("live", "true"), ("ema", "false"),
+                                              ("ema", "true")])
+def test_the_student_as_its_own_teacher_under_zero3_matches_one_process(tiny, tmp_path, kind, use_peft):
+    # 'initial' with full fine-tuning scores with GRPO's sharded reference copy; 'live' with the student's own sharded
+    # weights in a no-grad pass; 'ema' moves its copy (that reference copy, or the "ema" adapter) with gathered
+    # parameters after each optimizer step and saves it whole in each checkpoint. The teacher's privileged context (a
+    # system prompt the student never reads) keeps its scores apart from the student's. (The LoRA 'ema' run found the
+    # "ema" adapter scoring with live dropout, which differed from rank to rank.)
+    ema = ("--teacher_ema_rate", "0.5") if kind == "ema" else ()
+    two, one = _train_both_ways(
+        lambda out: _args(tiny, out, "--use_peft", use_peft, "--student_as_teacher", kind, *ema,
+                          "--teacher_system_prompt", "Answer with the number only.", teacher=""), tmp_path
+    )
+    sharded = _assert_same_training(two, one, dense_metric="opd/reverse_kl_dense")  # 'full', the default here
+    assert all(entry["opd/reverse_kl_dense"] > 1e-3 for entry in sharded)
+    if kind == "ema":
+        from trl_opd.self_distillation import EMA_WEIGHTS
+
+        averaged = [load_file(out / f"checkpoint-{STEPS}" / EMA_WEIGHTS) for out in (two, one)]
+        assert averaged[0].keys() == averaged[1].keys() and averaged[0]
+        for name, expected in averaged[1].items():
+            assert (averaged[0][name] - expected).abs().max() <= 1e-3 * expected.abs().max(), name
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_check_runs_under_zero3_with_zero_init_and_reports_once(tiny, tmp_path, processes):
     # zero.Init partitions the student as it loads, so the preflight must run where train() runs its first step

@@ -124,6 +124,24 @@ def test_ema_teacher_after_k_steps_equals_the_average_by_hand(tiny, prompts, mak
     assert moved > 1e-4  # the average lags the student: it is not a copy
 
 
+def test_the_ema_adapter_scores_without_dropout_while_the_student_trains(tiny, prompts, tokenizer, make_config):
+    # the "ema" adapter is added after GRPO's disable_dropout, so its own LoRA dropout layers are live ones; a teacher
+    # scores in eval mode, and the student is left in the mode it was in (under ZeRO-3 the dropped units differed
+    # from rank to rank, which is how this was found)
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.5, target_modules="all-linear")
+    trainer = OPDTrainer(model=str(tiny / "student"), train_dataset=prompts, peft_config=lora,
+                         args=make_config(teacher_system_prompt=HINT, student_as_teacher="ema"))
+    with torch.no_grad():
+        for name, parameter in trainer.model.named_parameters():
+            if ".ema." in name:  # an average away from the starting adapter, whose B is 0
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    trainer.model.train()
+    batch = _batch(tokenizer, system=HINT)
+    first, second = (trainer.teacher.score(*batch).logps for _ in range(2))
+    assert torch.equal(first, second) and trainer.model.training
+    trainer.model.eval()
+    torch.testing.assert_close(trainer.teacher.score(*batch).logps, first, atol=0, rtol=0)
+
 def test_ema_teacher_is_saved_with_each_checkpoint_and_restored_on_resume(tiny, prompts, make_config):
     from trl_opd.self_distillation import EMA_WEIGHTS
 
@@ -237,3 +255,21 @@ def test_topk_mass_of_each_side_is_logged(tiny, prompts, tokenizer, make_config,
         assert first["opd/teacher_topk_mass"] == pytest.approx(1.0, abs=1e-5)
     else:
         assert 0.05 < first["opd/teacher_topk_mass"] < 1.0 - 1e-3
+
+
+def test_check_shows_the_students_prompt_beside_the_teachers_filled_template(tiny, tmp_path, capsys):
+    from trl_opd import cli
+
+    argv = ["check", "--config", "recipes/smoke_cpu.yaml", "--model_name_or_path", str(tiny / "student"),
+            "--teacher_model_name_or_path", "", "--student_as_teacher", "initial", "--dataset_name",
+            str(tiny / "train.jsonl"), "--teacher_prompt_template", "{prompt} (It is {answer}.)",
+            "--output_dir", str(tmp_path / "unused")]
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_code.value.code == 0
+    student = out.split("first prompt, student's chat template: ")[1].splitlines()[0]
+    teacher = out.split("first prompt, teacher's chat template: ")[1].splitlines()[0]
+    question = student.split("user\\n")[1].split("<|im_end|>")[0]
+    assert "It is" not in student and f"user\\n{question} (It is " in teacher
+    assert "reference as teacher: opd/reverse_kl = 0.000000 (OK" in out

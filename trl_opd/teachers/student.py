@@ -51,9 +51,17 @@ class StudentTeacher(LocalTeacher):
 
     @torch.no_grad()
     def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> TeacherScores:
+        """`LocalTeacher.score` with the kind's weights, in eval mode: a teacher scores without dropout whatever the
+        student trains with (the 'ema' adapter's own dropout layers are new, so GRPO's `disable_dropout` never saw
+        them)."""
         self.model = self.model_fn()  # the trainer's model may have been wrapped since the last call
-        with self._weights():
-            return super().score(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        training = self.model.training
+        self.model.eval()
+        try:
+            with self._weights():
+                return super().score(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        finally:
+            self.model.train(training)
 
 
 def add_ema_adapter(model) -> None:
