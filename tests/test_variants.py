@@ -188,6 +188,14 @@ def test_a_template_that_cannot_be_filled_is_refused_before_training(tiny, promp
                    args=make_config(student_as_teacher="live", **options))
 
 
+def test_a_row_without_the_templates_column_is_refused_naming_it(tiny, prompts, make_config):
+    rows = prompts.to_list()
+    rows[3]["answer"] = None
+    with pytest.raises(ValueError, match="train_dataset row 3 has no 'answer'"):
+        OPDTrainer(model=str(tiny / "student"), train_dataset=Dataset.from_list(rows),
+                   args=make_config(student_as_teacher="live", teacher_prompt_template="{prompt} {answer}"))
+
+
 # -------------------------------------------------------------------------------------------- temperature
 
 
