@@ -286,6 +286,25 @@ def teacher_prompts(tokenizer, teacher_tokenizer, rows: list[dict]) -> dict[str,
 # ------------------------------------------------------------------ workers (each run in a fresh subprocess)
 
 
+def shared_settings(settings: dict, args, run_name: str) -> tuple[dict, dict]:
+    """What every trainer of a comparison gets: the pair's LoRA (as `peft_config=`, none for full fine-tuning) and the
+    training arguments all of them share (`settings`: the pair's; `args`: the run's steps, rate, seed and workdir)."""
+    peft = {}
+    if settings["lora_r"]:
+        from peft import LoraConfig
+
+        r = settings["lora_r"]
+        peft["peft_config"] = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM")
+    common = dict(
+        output_dir=str(Path(args.workdir) / run_name), max_steps=args.steps,
+        per_device_train_batch_size=settings["batch_size"], gradient_accumulation_steps=1, num_generations=1,
+        learning_rate=args.learning_rate, max_completion_length=settings["max_completion_length"], temperature=1.0,
+        top_p=1.0, top_k=0, seed=args.seed, logging_steps=max(args.steps // 4, 1), save_strategy="no",
+        report_to="none", bf16=False, gradient_checkpointing=False, disable_dropout=True, disable_tqdm=True,
+    )
+    return peft, common
+
+
 def work_before(args) -> dict:
     """The evaluation before training, shared by every run of the pair, and the teacher's accuracy both ways."""
     student, tokenizer, teacher, teacher_tokenizer = load_pair(args.pair, args.seed)
@@ -311,19 +330,7 @@ def work_train(args) -> dict:
     with open(Path(settings["task"]) / "train.jsonl") as lines:
         rows = [json.loads(line) for line in lines]
     heldout = heldout_rows(pair, args.eval_prompts)
-    peft = {}
-    if settings["lora_r"]:
-        from peft import LoraConfig
-
-        r = settings["lora_r"]
-        peft["peft_config"] = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM")
-    common = dict(
-        output_dir=str(Path(args.workdir) / f"{pair}-{args.trainer}-{args.learning_rate:g}"), max_steps=args.steps,
-        per_device_train_batch_size=settings["batch_size"], gradient_accumulation_steps=1, num_generations=1,
-        learning_rate=args.learning_rate, max_completion_length=settings["max_completion_length"], temperature=1.0,
-        top_p=1.0, top_k=0, seed=args.seed, logging_steps=max(args.steps // 4, 1), save_strategy="no",
-        report_to="none", bf16=False, gradient_checkpointing=False, disable_dropout=True, disable_tqdm=True,
-    )
+    peft, common = shared_settings(settings, args, f"{pair}-{args.trainer}-{args.learning_rate:g}")
     transformers.set_seed(args.seed)  # the same LoRA initialisation for both trainers
     checks = {}
     if args.trainer == "opd":
@@ -378,6 +385,26 @@ def work_train(args) -> dict:
 
 
 # ------------------------------------------------------------------ orchestration
+
+
+def results_file(path: Path, settings: dict, *, seed: int, pair: str, resume: bool):
+    """A comparison's results (the runs saved at `path` with the same settings and seed when resuming, else none yet)
+    and the function that writes them there, called after each run."""
+    from trl_opd.comparison import describe_machine
+
+    results = {"machine": describe_machine(), "date": time.strftime("%Y-%m-%d"), "seed": seed, "pair": pair,
+               "settings": settings, "before": None, "runs": []}
+    if resume and path.exists():
+        saved = json.loads(path.read_text())
+        if saved["settings"] != settings or saved["seed"] != seed:
+            raise SystemExit(f"{path} holds runs with other settings: resume with the same ones, or pass --json.")
+        results.update(before=saved["before"], runs=saved["runs"])
+
+    def save() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+    return results, save
 
 
 def worker_command(args, worker: str, output: Path, trainer: str | None = None, lr: float | None = None) -> list:
@@ -508,8 +535,6 @@ def main() -> None:
         Path(args.worker_output).write_text(json.dumps(result))
         return
 
-    from trl_opd.comparison import describe_machine
-
     if args.pair == "tiny":
         from trl_opd.envs.addition import make_other_family_teacher
 
@@ -517,19 +542,7 @@ def main() -> None:
     default = args.learning_rates or list(PAIRS[args.pair]["learning_rates"])
     sweep = {"opd": args.opd_learning_rates or default, "gold": args.gold_learning_rates or default}
     sweep["gold-teacher-template"] = sweep["gold"]
-    settings = settings_of(args)
-    results = {"machine": describe_machine(), "date": time.strftime("%Y-%m-%d"), "seed": args.seed,
-               "pair": args.pair, "settings": settings, "before": None, "runs": []}
-    if args.resume and path.exists():
-        saved = json.loads(path.read_text())
-        if saved["settings"] != settings or saved["seed"] != args.seed:
-            raise SystemExit(f"{path} holds runs with other settings: resume with the same ones, or pass --json.")
-        results.update(before=saved["before"], runs=saved["runs"])
-
-    def save() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=1) + "\n")
-
+    results, save = results_file(path, settings_of(args), seed=args.seed, pair=args.pair, resume=args.resume)
     if results["before"] is None:
         results["before"] = run_worker(args, "before")
         save()

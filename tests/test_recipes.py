@@ -32,7 +32,9 @@ def test_recipe_parses_and_documents_its_launch(recipe):
     assert training_args.teacher_model_name_or_path == raw.get("teacher_model_name_or_path")
     served = raw.get("teacher_server_url")
     assert training_args.teacher_server_url == ([served] if isinstance(served, str) else served)
-    assert (training_args.teacher_model_name_or_path is None) != (training_args.teacher_server_url is None)
+    sources = (training_args.teacher_model_name_or_path, training_args.teacher_server_url,
+               training_args.student_as_teacher)
+    assert sum(source is not None for source in sources) == 1  # one teacher source
     assert script_args.dataset_name == raw["dataset_name"]
     # unset estimator fields stay unset until the trainer knows the teacher source (see OPDConfig.resolve_estimator)
     assert (training_args.opd_estimator, training_args.opd_coef) == (raw.get("opd_estimator"), raw.get("opd_coef"))
