@@ -176,6 +176,15 @@ def test_teacher_prompt_template_fills_the_last_user_message_from_the_row(tiny, 
         "2 + 2?\n\nA worked answer: 4")  # a text prompt is filled whole
 
 
+
+def test_the_reference_teacher_reads_the_template_instead_of_reusing_grpos_logps(tiny, prompts, make_config):
+    # with its own prompt the reference teacher cannot reuse GRPO's reference log-probs (computed with beta > 0, over
+    # the student's prompt)
+    trainer = OPDTrainer(model=str(tiny / "student"), train_dataset=prompts, args=make_config(
+        max_steps=1, ref_as_teacher=True, beta=0.04, teacher_prompt_template="{prompt}\n\nA worked answer: {answer}"))
+    trainer.train()
+    assert abs(_first(trainer)["opd/reverse_kl"]) > 1e-3  # 0 if the student's prompt were scored
+
 @pytest.mark.parametrize(("options", "message"), [
     (dict(teacher_prompt_template="{prompt} {reference}"), "no 'reference' column .* teacher_prompt_template"),
     (dict(teacher_prompt_template="{prompt} {0}"), "must name the row's columns as {column}"),

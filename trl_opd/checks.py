@@ -100,20 +100,19 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
     required = {}
     if args.teacher_prompt_column:
         required[args.teacher_prompt_column] = "which teacher_prompt_column names as the prompt the teacher sees"
-    if args.teacher_prompt_template:
-        for column in template_columns(args.teacher_prompt_template):
-            required[column] = f"which teacher_prompt_template {args.teacher_prompt_template!r} reads"
+    templated = template_columns(args.teacher_prompt_template) if args.teacher_prompt_template else []
+    for column in templated:
+        required[column] = f"which teacher_prompt_template {args.teacher_prompt_template!r} reads"
     if args.teachers:
         required[args.teacher_route_column] = f"to route rows to teachers {sorted(args.teachers)}"
     prompt_columns = ("prompt", *([args.teacher_prompt_column] if args.teacher_prompt_column else []))
     for name, dataset in datasets:
         check_prompt_dataset(dataset, name=name, required=required, prompt_columns=prompt_columns)
-        if args.teacher_prompt_template and dataset is not None and hasattr(dataset, "__len__"):
-            for column in template_columns(args.teacher_prompt_template):
-                row = next((i for i, value in enumerate(dataset[column]) if value is None), None)
-                if row is not None:
-                    raise ValueError(f"{name} row {row} has no {column!r} (None), which teacher_prompt_template "
-                                     f"{args.teacher_prompt_template!r} reads. Fill it, or drop the rows without it.")
+        for column in templated if dataset is not None and hasattr(dataset, "__len__") else []:
+            row = next((i for i, value in enumerate(dataset[column]) if value is None), None)
+            if row is not None:
+                raise ValueError(f"{name} row {row} has no {column!r} (None), which teacher_prompt_template "
+                                 f"{args.teacher_prompt_template!r} reads. Fill it, or drop the rows without it.")
     other_sources = args.teacher_server_url or args.ref_as_teacher or args.student_as_teacher or args.teachers
     if teacher_model is not None and other_sources:
         raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")

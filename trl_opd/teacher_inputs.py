@@ -41,7 +41,8 @@ class TeacherInputsMixin:
         return partial(self.teacher.score, *batch)
 
     def _teacher_prompts(self, inputs, output) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message or column)."""
+        """The prompt ids the teacher sees: the student's, or a teacher-only prompt (system message, template or
+        column)."""
         if not self.args.teacher_own_prompt:
             return output["prompt_ids"], output["prompt_mask"]
         prompts = self._teacher_prompt_messages(inputs, output)
@@ -53,7 +54,7 @@ class TeacherInputsMixin:
 
     def _teacher_prompt_messages(self, inputs, output) -> list:
         """The prompts the teacher reads, as text or chat messages: the student's as it saw them (with any observation
-        an environment's reset() appended), plus any teacher-only prompt (system message or column)."""
+        an environment's reset() appended), plus any teacher-only prompt (system message, template or column)."""
         student_prompts = self._student_prompts
         if self.rollout_func is not None:
             self._check_rollout_prompts(student_prompts, output)
@@ -85,7 +86,6 @@ class TeacherInputsMixin:
                     f"Row {i}: the rollout function's prompt_ids are not the student's prompt as the trainer's chat "
                     "template renders it, so the teacher's own prompt (teacher_system_prompt, teacher_prompt_template, "
                     "teacher_prompt_column, or a cross-tokenizer teacher's rendering) cannot be rendered to match. "
-                    "Render prompts with the "
-                    "trainer's processing class and chat template in the rollout function, or put the teacher's "
-                    "context in the rollout's own prompt."
+                    "Render prompts with the trainer's processing class and chat template in the rollout function, "
+                    "or put the teacher's context in the rollout's own prompt."
                 )
