@@ -1,5 +1,7 @@
 """The dense estimators (full vocabulary, top-k plus tail): exact values and gradients, tiled memory, training."""
 
+import math
+
 import pytest
 import torch
 
@@ -439,3 +441,40 @@ def test_a_teacher_with_extra_vocabulary_rows_is_compared_over_the_students_ids(
     teacher_logps = teacher.output_head.logits(scores.hidden.flatten(0, 1))[:, :vocab].log_softmax(-1)
     expected = (student.exp() * (student - teacher_logps.view_as(student))).sum(-1)
     torch.testing.assert_close(kl[valid], expected[valid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_a_float32_head_beside_a_bf16_student_reads_its_states_in_float32(tiny, prompts, make_config, estimator):
+    # cast_lm_head_to_fp32 with a bf16 student: the completion-only projection of the loss forward and the full
+    # term read the backbone's bf16 states through the float32 head (old main: "expected m1 and m2 to have the same
+    # dtype" at the first loss forward), and give GRPO's own log-probs through that head
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                         args=make_config(model_init_kwargs={"dtype": "bfloat16"}, cast_lm_head_to_fp32=True,
+                                          opd_estimator=estimator, max_steps=1))
+    student = trainer._student_causal_lm()
+    assert student.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert trainer._student_head(student).weight.dtype == torch.float32
+    logps = []
+    original = trainer._use_loss_forward_logps if estimator == "full" else None
+
+    def compare(inputs, old):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        with torch.no_grad():
+            grpo, _, _ = OPDTrainer._get_per_token_logps_and_entropies(
+                trainer, trainer.model, ids, attention, inputs["completion_ids"].size(1))
+            compact, _, _ = trainer._completion_logps(trainer.model, ids, attention, inputs["completion_ids"].size(1))
+        logps.append((compact, grpo, inputs["completion_mask"].bool()))
+        return original(inputs, old) if original else None
+
+    if original:
+        trainer._use_loss_forward_logps = compare
+        trainer.train()
+    else:
+        compare(trainer._generate_and_score_completions([prompts[i] for i in range(4)]), None)
+        trainer.train()
+    first = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    assert math.isfinite(first["loss"]) and first["opd/reverse_kl"] != 0.0
+    (compact, grpo, valid), = logps
+    scale = grpo[valid].abs().max().item()
+    torch.testing.assert_close(compact[valid], grpo[valid], rtol=1e-5, atol=1e-5 * scale)

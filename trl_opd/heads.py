@@ -59,8 +59,9 @@ class OutputHead:
         return maybe_gather_lm_head_ctx(self.weight, self.bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Transformed float32 logits (N, V) of hidden states (N, H)."""
-        return self.transform(torch.nn.functional.linear(hidden, self.weight, self.bias).float())
+        """Transformed float32 logits (N, V) of hidden states (N, H), read in the head's dtype (a float32 head beside
+        a bf16 backbone, as `cast_lm_head_to_fp32` makes it, projects float32 states)."""
+        return self.transform(torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias).float())
 
     def transform(self, raw: torch.Tensor) -> torch.Tensor:
         z = raw * self.scale if self.scale != 1.0 else raw
@@ -198,7 +199,7 @@ class _TokenLogProbs(torch.autograd.Function):
             for start in range(0, hidden.size(0), ctx.rows):
                 tile = slice(start, start + ctx.rows)
                 grad = grad_logps[tile].float()
-                raw = torch.nn.functional.linear(hidden[tile], weight, bias).float()
+                raw = torch.nn.functional.linear(hidden[tile].to(weight.dtype), weight, bias).float()
                 # d/dz of sum_j g_j log p(ids_j) = onehot(ids) g - softmax * sum_j g_j, built in place; then the chain
                 # rule through the transform z(raw)
                 grad_logits = head.transform(raw).sub_(normalizers[tile, None]).exp_().mul_(-grad.sum(-1, keepdim=True))

@@ -96,7 +96,9 @@ def dense_divergence(
 
     temperature, student_scale, teacher_scale = shared_temperature(student_head, teacher_head)
     valid = mask.bool()
-    student_valid, teacher_valid = student_hidden[valid], teacher_hidden[valid].to(student_hidden.device)
+    # each side's states in its head's dtype (a float32 head beside a bf16 backbone: `cast_lm_head_to_fp32`)
+    student_valid = student_hidden[valid].to(student_head.weight.dtype)
+    teacher_valid = teacher_hidden[valid].to(student_hidden.device, teacher_head.weight.dtype)
     # The kernel holds (positions, 32768) float32 tiles, up to 4096 positions at once, and on a CPU its torch fallback
     # several more of that size: it is called on as many positions as a tile of this device's size holds (4096 on an
     # accelerator, the kernel's own; 256 on a CPU), so the memory stays flat in the number of positions
