@@ -17,7 +17,7 @@ def test_global_batch_as_1x8_or_8x1_gives_the_same_loss_and_update(tiny, prompts
         return trainer, next(entry for entry in trainer.state.log_history if "loss" in entry)
 
     (one_by_eight, log_a), (eight_by_one, log_b) = run(8, 1), run(1, 8)
-    assert log_a["opd/reverse_kl"] == pytest.approx(log_b["opd/reverse_kl"], abs=1e-6)  # the same 8 samples
+    assert log_a["opd/reverse_kl"] == pytest.approx(log_b["opd/reverse_kl"], rel=1e-6, abs=1e-7)  # same 8 samples
     assert log_a["loss"] == pytest.approx(log_b["loss"], rel=1e-5)
     assert log_a["grad_norm"] == pytest.approx(log_b["grad_norm"], rel=1e-4)
     for (name, a), b in zip(one_by_eight.model.named_parameters(), eight_by_one.model.parameters(), strict=True):
