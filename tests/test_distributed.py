@@ -211,3 +211,17 @@ def test_check_runs_under_zero3_with_zero_init_and_reports_once(tiny, tmp_path, 
     assert result.stdout.count("recipe's teacher:") == 1
     reverse_kl = float(result.stdout.split("recipe's teacher:")[1].split("opd/reverse_kl = ")[1].split(",")[0])
     assert reverse_kl > 1.0  # the real teacher is far from the tiny student
+
+
+@pytest.mark.parametrize("kind", ["initial", "ema"])
+def test_a_student_passed_as_a_moved_model_is_its_own_starting_teacher_under_zero3(tiny, tmp_path, kind):
+    # GRPO builds its sharded reference copy from the checkpoint on disk; the student moved after loading, and the
+    # first step's KL (the teacher reading what the student reads) is 0 only if the copy is the student as passed
+    result = tmp_path / "history.json"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3,
+               str(ROOT / "tests" / "instance_run.py"), str(tiny), str(tmp_path / "out"), kind, str(result)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    first = next(entry for entry in json.loads(result.read_text()) if "opd/reverse_kl_dense" in entry)
+    assert first["opd/reverse_kl_dense"] == pytest.approx(0.0, abs=1e-6)
+    assert first["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-5)

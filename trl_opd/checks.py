@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from .prompts import template_columns
+from .teachers.vllm_server import is_served
 
 
 def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict[str, str] | None = None,
@@ -130,6 +131,12 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
     if args.teachers:
         check_routes(datasets, args)
     check_options_apply(args, has_rewards=bool(reward_funcs))
+    check_teacher_loading(teacher_model, args)
+    if args.student_as_teacher:
+        from accelerate.utils import is_peft_model
+
+        check_self_teacher(args, has_rewards=bool(reward_funcs),
+                           peft=peft_config is not None or (not isinstance(model, str) and is_peft_model(model)))
     if args.fsdp or args.distributed_state.distributed_type == "FSDP":
         raise NotImplementedError(
             "FSDP is not supported: the dense estimators and sharded teachers are built and tested on DeepSpeed "
@@ -186,6 +193,52 @@ def check_options_apply(args, *, has_rewards: bool) -> None:
             "opd_reward_combination='advantage' the reward and teacher advantages share one clipped objective. Use "
             "opd_reward_combination='loss' (GRPO's clipped loss for the rewards, the unclipped one for the teacher)."
         )
+
+
+def check_self_teacher(args, *, has_rewards: bool, peft: bool) -> None:
+    """What `student_as_teacher` needs to teach anything, and what its 'ema' copy must not share."""
+    kind = args.student_as_teacher
+    if not args.teacher_own_prompt and kind == "live":
+        raise ValueError(
+            "student_as_teacher: live with no teacher context is the student itself reading the same prompt: every "
+            "teacher term is 0 up to round-off, which Adam scales into full-size steps of noise. Give the teacher "
+            "what the student does not read (teacher_system_prompt, teacher_prompt_template or teacher_prompt_column)."
+        )
+    if not args.teacher_own_prompt and not has_rewards:
+        raise ValueError(
+            f"student_as_teacher: {kind} with no teacher context and no reward functions: the teacher starts as the "
+            "student reading the same prompt, so every teacher term is 0 and the student never moves from it. Give "
+            "the teacher what the student does not read (teacher_system_prompt, teacher_prompt_template or "
+            "teacher_prompt_column), or add reward functions (the teacher then holds the student near its start)."
+        )
+    if kind == "ema" and not peft and args.beta != 0.0:
+        raise ValueError(
+            f"student_as_teacher: ema with full fine-tuning keeps its moving average in GRPO's reference copy of the "
+            f"student, which GRPO's KL penalty (beta={args.beta}) reads as the starting model: the penalty would pull "
+            "towards the moving teacher instead. Set beta: 0, or train an adapter (peft_config, use_peft), whose "
+            "reference stays the base weights beside the 'ema' adapter."
+        )
+
+
+def check_teacher_loading(teacher_model, args) -> None:
+    """`teacher_model_init_kwargs` loads a teacher model from a path: refused where no teacher is loaded so."""
+    if not args.teacher_model_init_kwargs:
+        return
+    source = args.teacher_source(teacher_model)
+    loaded = [teacher for teacher in (args.teachers or {}).values() if not is_served(teacher)]
+    what = {
+        "self": "student_as_teacher's teacher is the student's own weights, in its dtype",
+        "reference": "ref_as_teacher's teacher is GRPO's reference copy of the student (model_init_kwargs sets it)",
+        "served": "a served teacher is loaded by its server (serve-teacher's options set its dtype)",
+        "routed": "every routed teacher is served (each server's options set its dtype)",
+    }.get(source)
+    if teacher_model is not None and not isinstance(teacher_model, str):
+        what = "the teacher was passed as a model, already loaded"
+    elif source == "routed" and loaded:
+        what = None
+    if what:
+        raise ValueError(f"teacher_model_init_kwargs loads a teacher model from a path, and {what}: it would be "
+                         "ignored. Remove it.")
 
 
 def check_routes(datasets, args) -> None:
@@ -257,4 +310,21 @@ def check_chat_template(tokenizer, dataset, *, name: str, role: str = "student")
             f"({getattr(tokenizer, 'name_or_path', None) or type(tokenizer).__name__}) has no chat "
             f"template to render them. Use an instruction-tuned {role}, give the tokenizer a chat_template, or use "
             "text prompts (prompt_as_user_message: false with a text column)."
+        )
+
+
+def check_head_projectable(student) -> None:
+    """This package projects the student's LM head by its weight (the dense terms on every device, the loss's
+    log-probs on a CPU), so the head must be a plain linear layer, or one that PEFT trains whole (`modules_to_save`,
+    one copy per adapter). A LoRA adapter or trainable tokens on it would be left out of those projections."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import TrainableTokensWrapper
+
+    head = student.get_output_embeddings()
+    if isinstance(head, (BaseTunerLayer, TrainableTokensWrapper)):
+        kind = "trainable tokens" if isinstance(head, TrainableTokensWrapper) else "a LoRA adapter"
+        raise ValueError(
+            f"The student's LM head carries {kind} ({type(head).__name__}), which the distillation terms would leave "
+            "out: they project the head by its weight. Train the head whole with modules_to_save=['lm_head'], or "
+            "leave it out of the adapter (target_modules without lm_head; 'all-linear' already leaves it out)."
         )

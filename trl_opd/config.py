@@ -209,8 +209,9 @@ class OPDConfig(GRPOConfig):
             "see. 'initial': its starting weights (a PEFT student's adapter as it started, off for a new one; with "
             "full fine-tuning a frozen copy, GRPO's reference model); 'live': its current weights, without gradient "
             "and without a second copy; "
-            "'ema': a moving average of its weights (teacher_ema_rate, teacher_ema_steps). Every estimator works "
-            "with each.",
+            "'ema': a moving average of its weights (teacher_ema_rate, teacher_ema_steps), kept in float32. Every "
+            "estimator works with each. A teacher with no context of its own is refused ('initial' and 'ema' are "
+            "allowed beside reward functions, as a pull towards the start).",
             "choices": [None, "initial", "live", "ema"],
         },
     )

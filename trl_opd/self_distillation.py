@@ -1,18 +1,17 @@
 """The student as its own teacher (`student_as_teacher`): the scorer of each kind, the 'ema' kind's averaging after
 optimizer steps, and its teacher's weights in every checkpoint (they are not the student's, and a resumed run must
-continue from them, not from the student's starting weights).
+continue from them, not from the student's starting weights). Also the reference copy's starting weights, which the
+initial and 'ema' kinds, `ref_as_teacher` and GRPO's KL penalty read.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 
-import torch
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 
-from .teachers.student import EMA_ADAPTER, StudentTeacher, add_ema_adapter, ema_pairs, ema_update
+from .teachers.student import EMA_ADAPTER, StudentTeacher, TeacherAverage, add_ema_adapter, copy_parameters, ema_pairs
 
 EMA_WEIGHTS = "teacher_ema.safetensors"  # in each checkpoint of a run with student_as_teacher: ema
 
@@ -36,16 +35,28 @@ class _TeacherEMA(TrainerCallback):
 
 class SelfDistillationMixin:
     """Mixed into OPDTrainer before GRPOTrainer. Reads GRPO's `args`, `model`, `ref_model`, `accelerator` and
-    `is_deepspeed_enabled`; the trainer calls `_prepare_self_teacher` once GRPO's set-up is done."""
+    `is_deepspeed_enabled`; the trainer calls `_reference_from_student` (for a student passed as a model) and
+    `_prepare_self_teacher` once GRPO's set-up is done."""
+
+    def _reference_from_student(self) -> None:
+        """GRPO builds its reference copy of a fully fine-tuned student from the checkpoint the student's config names;
+        a student passed as a model may have moved since it was loaded (an SFT stage in the same process), and the
+        reference (the KL penalty's, `ref_as_teacher`'s, or `student_as_teacher`'s initial and 'ema' teachers) must be
+        the student as it was passed. A PEFT student needs nothing: its reference is its own base weights."""
+        if self.ref_model is None:
+            return
+        copy_parameters(ema_pairs(self.accelerator.unwrap_model(self.model),
+                                  getattr(self.ref_model, "module", self.ref_model)), zero3=self._zero3())
 
     def _prepare_self_teacher(self) -> None:
         """The 'ema' kind's copy of the weights (a PEFT student's "ema" adapter; GRPO's reference copy otherwise,
-        built at set-up) and its averaging callback."""
+        built at set-up and made the student's starting weights), its float32 average and its averaging callback."""
         if self.args.student_as_teacher != "ema":
             return
         student = self.accelerator.unwrap_model(self.model)
         if is_peft_model(student):
             add_ema_adapter(student)
+        self._teacher_average = TeacherAverage(self._teacher_ema_pairs(), zero3=self._zero3())
         self._teacher_ema = _TeacherEMA(self)
         self.add_callback(self._teacher_ema)
 
@@ -76,7 +87,7 @@ class SelfDistillationMixin:
         return ema_pairs(student, copy)
 
     def _update_teacher_ema(self) -> None:
-        ema_update(self._teacher_ema_pairs(), self.args.teacher_ema_rate, zero3=self._zero3())
+        self._teacher_average.update(self._teacher_ema_pairs(), self.args.teacher_ema_rate)
 
     def _zero3(self) -> bool:
         plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
@@ -90,16 +101,10 @@ class SelfDistillationMixin:
             self._save_teacher_ema(Path(output_dir or self.args.output_dir))
 
     def _save_teacher_ema(self, output_dir: Path) -> None:
+        """The teacher's float32 average (a collective under ZeRO-3), written by the main process."""
         from safetensors.torch import save_file
 
-        teachers = {name: teacher for name, (teacher, _) in self._teacher_ema_pairs().items()}
-        gathered = nullcontext()
-        if self._zero3():
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters(list(teachers.values()))
-        with gathered:
-            tensors = {name: teacher.detach().cpu().clone() for name, teacher in teachers.items()}
+        tensors = self._teacher_average.state_dict(self._teacher_ema_pairs())
         if self.accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(output_dir / EMA_WEIGHTS))
@@ -108,15 +113,8 @@ class SelfDistillationMixin:
         from safetensors.torch import load_file
 
         path = Path(resume_from_checkpoint) / EMA_WEIGHTS
-        saved, teachers = load_file(str(path)), {name: t for name, (t, _) in self._teacher_ema_pairs().items()}
-        if saved.keys() != teachers.keys():
+        saved, pairs = load_file(str(path)), self._teacher_ema_pairs()
+        if saved.keys() != pairs.keys():
             raise ValueError(f"{path} holds other parameters than this run's 'ema' teacher: it was written for "
                              "another model or adapter.")
-        gathered = nullcontext()
-        if self._zero3():
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters(list(teachers.values()), modifier_rank=0)
-        with torch.no_grad(), gathered:
-            for name, teacher in teachers.items():
-                teacher.copy_(saved[name].to(teacher.device, teacher.dtype))
+        self._teacher_average.load_state_dict(pairs, saved)

@@ -21,7 +21,7 @@ from trl.trainer.utils import get_config_model_id, use_adapter
 
 from .advantages import AdvantagesMixin
 from .alignment import ByteVocabulary
-from .checks import check_chat_template, check_model_files, check_opd_inputs
+from .checks import check_chat_template, check_head_projectable, check_model_files, check_opd_inputs
 from .config import OPDConfig
 from .dense import DenseLossMixin
 from .hub import HubMixin
@@ -171,6 +171,9 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         self.accuracy_func = accuracy_func
         self.teacher_processing_class = teacher_processing_class
         self.teacher_tokenizers = teacher_tokenizers
+        check_head_projectable(self._student_causal_lm())
+        if not isinstance(model, str):
+            self._reference_from_student()
         self._prepare_self_teacher()
         self.teacher = self._build_scorer(teachers)
         self._init_opd_metrics()

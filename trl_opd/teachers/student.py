@@ -21,6 +21,7 @@ import torch
 from accelerate.utils import is_peft_model
 from trl.trainer.utils import use_adapter
 
+from ..heads import OutputHead
 from .base import TeacherScores
 from .local import LocalTeacher
 
@@ -36,6 +37,7 @@ class StudentTeacher(LocalTeacher):
     def __init__(self, model_fn: Callable[[], torch.nn.Module], *, adapter: str | None, **kwargs):
         super().__init__(model_fn(), **kwargs)
         self.model_fn, self.adapter = model_fn, adapter
+        self._head: OutputHead | None = None  # the head of the last scoring pass
 
     @property
     def causal_lm(self) -> torch.nn.Module:
@@ -59,9 +61,23 @@ class StudentTeacher(LocalTeacher):
         self.model.eval()
         try:
             with self._weights():
+                self._head = self._read_head()  # with the kind's weights active, and kept for the loss
                 return super().score(prompt_ids, prompt_mask, completion_ids, completion_mask)
         finally:
             self.model.train(training)
+
+    @property
+    def output_head(self) -> OutputHead:
+        """The head that scored: read with the kind's weights active (a PEFT student's head under `modules_to_save`
+        is one copy per adapter, the starting one with adapters off), and kept, since the loss projects the kept
+        hidden states through it while the student's own adapter, and head, are active."""
+        if self._head is None:
+            with self._weights():
+                self._head = self._read_head()
+        return self._head
+
+    def _read_head(self) -> OutputHead:
+        return OutputHead.of(self.causal_lm, temperature=self.temperature)
 
 
 def add_ema_adapter(model) -> None:
@@ -90,19 +106,101 @@ def ema_pairs(student: torch.nn.Module, teacher: torch.nn.Module | None) -> dict
     return pairs
 
 
-@torch.no_grad()
-def ema_update(pairs, rate: float, *, zero3: bool = False) -> None:
-    """teacher <- teacher + rate * (student - teacher) for each of `ema_pairs`. Under ZeRO-3 each parameter is
-    partitioned across processes: both are gathered, rank 0 updates, and the new value is partitioned back."""
-    def update():
-        for teacher, student in pairs.values():
-            teacher.lerp_(student.to(teacher.dtype), rate)
-
+def _gathered(params, *, modify: bool, zero3: bool) -> AbstractContextManager:
+    """`params` whole on every process inside the block (ZeRO-3 partitions them outside a forward); with `modify`, what
+    process 0 writes into them is partitioned back on leaving it."""
     if not zero3:
-        update()
-        return
+        return nullcontext()
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters([param for pair in pairs.values() for param in pair], modifier_rank=0):
-        if deepspeed.comm.get_rank() == 0:
-            update()
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
+
+
+@torch.no_grad()
+def copy_parameters(pairs, *, zero3: bool = False) -> None:
+    """teacher <- student for each (teacher, student) pair of `ema_pairs`, one parameter gathered at a time."""
+    for teacher, student in pairs.values():
+        with _gathered([student], modify=False, zero3=zero3), _gathered([teacher], modify=True, zero3=zero3):
+            teacher.copy_(student)
+
+
+class TeacherAverage:
+    """The 'ema' kind's moving average, `teacher <- teacher + rate * (student - teacher)`, kept in float32 whatever
+    the teacher copy's dtype: a bf16 copy updated in its own dtype loses every step below half a unit in the last
+    place (at rate 0.05, most of them), and its norm weights would never move. The copy the teacher scores with is
+    the average rounded to its dtype.
+
+    Memory: a float32 teacher on one process is its own average (nothing more is held); any other teacher holds 4
+    bytes per averaged parameter beside it, divided among the processes under ZeRO-3, where each process keeps the
+    average of its 1/N slice of every parameter (gathered one parameter at a time to update, and its rounded slices
+    gathered back into the teacher). Each call takes the (teacher, student) pairs of `ema_pairs` as they are now."""
+
+    def __init__(self, pairs: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter]], *, zero3: bool = False):
+        self.zero3 = zero3
+        self.rank, self.world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if zero3 else (0, 1)
+        # name -> this process's float32 slice of the average; None where the float32 teacher is its own average
+        self.average: dict[str, torch.Tensor | None] = {}
+        for name, (teacher, _) in pairs.items():
+            in_place = teacher.dtype == torch.float32 and self.world == 1
+            with _gathered([teacher], modify=False, zero3=zero3):
+                self.average[name] = None if in_place else self._own(teacher).float().clone()
+
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's slice of a whole tensor: all of it on one process, else a 1/N slice of it flattened (the
+        last one padded with zeros)."""
+        if self.world == 1:
+            return tensor.data
+        size = -(-tensor.numel() // self.world)
+        flat = torch.nn.functional.pad(tensor.data.flatten(), (0, size * self.world - tensor.numel()))
+        return flat[self.rank * size : (self.rank + 1) * size]
+
+    def _whole(self, average: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Every process's slice of `average`, in `dtype`, as one tensor of `shape` (a collective under ZeRO-3)."""
+        if self.world == 1:
+            return average.to(dtype)
+        slices = [torch.empty_like(average, dtype=dtype) for _ in range(self.world)]
+        torch.distributed.all_gather(slices, average.to(dtype))
+        return torch.cat(slices)[: shape.numel()].view(shape)
+
+    def _check(self, pairs) -> None:
+        if pairs.keys() != self.average.keys():
+            raise ValueError("The 'ema' teacher's parameters changed since its average was started.")
+
+    @torch.no_grad()
+    def update(self, pairs, rate: float) -> None:
+        """Move the average `rate` of the way towards the student, and the teacher to the average."""
+        self._check(pairs)
+        for name, (teacher, student) in pairs.items():
+            with (_gathered([student], modify=False, zero3=self.zero3),
+                  _gathered([teacher], modify=True, zero3=self.zero3)):
+                average = self.average[name]
+                if average is None:
+                    teacher.lerp_(student.to(torch.float32), rate)
+                    continue
+                average.lerp_(self._own(student).to(torch.float32), rate)
+                teacher.copy_(self._whole(average, teacher.shape, teacher.dtype))
+
+    @torch.no_grad()
+    def state_dict(self, pairs) -> dict[str, torch.Tensor]:
+        """The whole float32 average by the teacher parameters' names, on the CPU (a collective under ZeRO-3)."""
+        self._check(pairs)
+        state = {}
+        for name, (teacher, _) in pairs.items():
+            average = self.average[name]
+            if average is None:
+                state[name] = teacher.detach().cpu().clone()
+                continue
+            shape = torch.Size(getattr(teacher, "ds_shape", teacher.shape))  # whole, also while ZeRO-3 partitions it
+            state[name] = self._whole(average, shape, torch.float32).cpu().clone()
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, pairs, saved: dict[str, torch.Tensor]) -> None:
+        """Restore a saved average (`state_dict`; an earlier version saved the teacher's own weights, read the same
+        way)."""
+        self._check(pairs)
+        for name, (teacher, _) in pairs.items():
+            with _gathered([teacher], modify=True, zero3=self.zero3):
+                teacher.copy_(saved[name].to(teacher.device, teacher.dtype))
+            if self.average[name] is not None:
+                self.average[name].copy_(self._own(saved[name].to(self.average[name].device, torch.float32)))
