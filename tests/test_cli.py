@@ -68,6 +68,8 @@ def test_check_preflight_prints_zero_reference_kl_on_the_smoke_recipe(tiny, tmp_
         "check", "--config", SMOKE,
         "--model_name_or_path", str(tiny / "student"),
         "--teacher_model_name_or_path", str(tiny / "teacher"),
+        # as recipes/opd.yaml sets it: the reference pass, which loads no teacher, must drop it
+        "--teacher_model_init_kwargs", '{"dtype": "float32"}',
         "--dataset_name", str(tiny / "train.jsonl"),
         "--output_dir", str(tmp_path / "unused"),
     ]
