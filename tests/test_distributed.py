@@ -225,3 +225,20 @@ def test_a_student_passed_as_a_moved_model_is_its_own_starting_teacher_under_zer
     first = next(entry for entry in json.loads(result.read_text()) if "opd/reverse_kl_dense" in entry)
     assert first["opd/reverse_kl_dense"] == pytest.approx(0.0, abs=1e-6)
     assert first["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_the_teachers_head_is_gathered_once_per_loss_under_zero3(tiny, tmp_path):
+    # TRL's divergence kernel gathers a partitioned head for each call of its (at most 4096 positions on a GPU, 256
+    # on a CPU), forward and backward: held whole from the loss to the end of its backward, the teacher's head is
+    # gathered once a micro-batch, and the loss is the same
+    result = tmp_path / "gathers.json"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3,
+               str(ROOT / "tests" / "head_gathers_run.py"), str(tiny), str(tmp_path / "out"), str(result)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    report = json.loads(result.read_text())
+    assert report["mean_length"] == 48  # 8 rows x 48 positions a process: two kernel calls
+    assert report["counts"]["plain"] == 2  # what the kernel does alone, in the forward only
+    assert report["counts"]["held"] == 1  # forward and backward
+    assert report["losses"]["held"] == pytest.approx(report["losses"]["plain"], rel=1e-6, abs=1e-7)
+

@@ -11,6 +11,8 @@ sampled tokens' log-probs, the entropy) come from one no-grad projection in tile
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 from trl.models.utils import _ForwardRedirection
 
@@ -36,6 +38,30 @@ class DenseLossMixin:
     calls the two methods declared at the end, which other bases of OPDTrainer provide."""
 
     _forward_redirection = _ForwardRedirection()
+    _teacher_head_held: ExitStack | None = None  # open through a training step's loss and backward (`training_step`)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        with ExitStack() as self._teacher_head_held:
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._teacher_head_held = None
+
+    def _whole_teacher_head(self) -> OutputHead:
+        """The teacher's head for the full term, gathered once per training step under ZeRO-3 and held whole until
+        its backward is done (TRL's divergence kernel would gather it again for each call of at most 4096 positions,
+        forward and backward: some 120 GB of all-gathers a step for an 8B teacher at the flagship's batch). A head
+        that is the student's own parameter (a self-teacher's) is left to the kernel: the student's forward and its
+        gradient reduction manage it."""
+        head = self.teacher.output_head
+        if self._teacher_head_held is None or not hasattr(head.weight, "ds_id") or self._is_student_parameter(head):
+            return head
+        self._teacher_head_held.enter_context(head.gathered())  # a no-op once gathered: one gather per step
+        return head
+
+    def _is_student_parameter(self, head: OutputHead) -> bool:
+        student = self.accelerator.unwrap_model(self.model)
+        return any(parameter is head.weight for parameter in student.parameters())
 
     def _keep_dense_inputs(self, output, scores: TeacherScores) -> None:
         if self._dense_weight == 0.0:
@@ -137,7 +163,7 @@ class DenseLossMixin:
         else:
             name = f"opd/{divergence_name(beta)}_dense"
             per_token = dense_divergence(
-                student_hidden, student_head, inputs["teacher_hidden_states"], self.teacher.output_head, mask,
+                student_hidden, student_head, inputs["teacher_hidden_states"], self._whole_teacher_head(), mask,
                 beta=beta,
             )  # (B, T)
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
