@@ -123,3 +123,29 @@ def test_tiles_are_sized_for_the_head_s_device():
     on_accelerator = OutputHead(torch.empty(vocab, hidden, device="meta"))
     assert on_accelerator.tile_rows() == 883 and -(-64 * 2048 // on_accelerator.tile_rows()) == 149
     assert on_accelerator.tile_rows(tile_elements=100 * vocab) == 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_head_gradient_in_tiles_equals_the_float64_hand_computation(dtype):
+    # the backward accumulates the head's gradient in float32 over tiles of positions, from inputs in the head's
+    # dtype (on a GPU a 16-bit product with float32 accumulation); the gradient is returned in the head's dtype
+    torch.manual_seed(0)
+    hidden = (torch.randn(37, 16) * 0.5).to(dtype).requires_grad_()
+    weight = torch.randn(50, 16).to(dtype).requires_grad_()
+    bias = torch.randn(50).to(dtype).requires_grad_()
+    ids = torch.randint(0, 50, (37, 2))
+    grad = torch.randn(37, 2)
+    head = OutputHead(weight, bias, temperature=0.7)
+    logps = head_token_logps(hidden, head, ids, tile_elements=8 * 50)  # 5 tiles of 8 positions
+    (logps * grad).sum().backward()
+    exact = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    expected = _logps(exact[0], OutputHead(exact[1], exact[2], temperature=0.7)).gather(-1, ids)
+    (expected * grad.double()).sum().backward()
+    # in bf16 the logits are rounded to bf16 (as the model's own bf16 head gives them): 2^-9 of their size each, a
+    # few times that in the log-probs and the gradients built from them; float32 is exact to round-off
+    rtol = 1e-5 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(logps.double(), expected.detach(), rtol=rtol,
+                               atol=rtol * expected.abs().max().item())
+    for got, want in zip((hidden.grad, weight.grad, bias.grad), exact, strict=True):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want.grad, rtol=rtol, atol=rtol * want.grad.abs().max().item())
