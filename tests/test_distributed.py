@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 from safetensors.torch import load_file
 
 from trl_opd import cli
@@ -242,3 +244,50 @@ def test_the_teachers_head_is_gathered_once_per_loss_under_zero3(tiny, tmp_path)
     assert report["counts"]["held"] == 1  # forward and backward
     assert report["losses"]["held"] == pytest.approx(report["losses"]["plain"], rel=1e-6, abs=1e-7)
 
+
+def test_two_machines_of_one_process_train_like_one_launch_of_two(tiny, tmp_path):
+    # recipes/accelerate/zero3_2nodes.yaml with CPU settings: each "machine" a launch of its own with its
+    # --machine_rank, meeting at a loopback address; the 2 steps equal one 2-process launch's
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nodes = yaml.safe_load((ROOT / "recipes" / "accelerate" / "zero3_2nodes.yaml").read_text())
+    del nodes["mixed_precision"]  # zero3_cpu.json sets the precision
+    nodes.update(num_processes=2, main_process_port=port,
+                 deepspeed_config={"deepspeed_config_file": str(ROOT / "recipes" / "accelerate" / "zero3_cpu.json"),
+                                   "deepspeed_multinode_launcher": "standard", "zero3_init_flag": False})
+    config = tmp_path / "two_machines.yaml"
+    config.write_text(yaml.safe_dump(nodes))
+
+    def args(out):
+        return [*_args(tiny, out, "--use_peft", "true"), "--max_steps", "2", "--save_steps", "2",
+                "--per_device_train_batch_size", "8"]
+
+    machines = [subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                                  "--machine_rank", str(rank), "-m", "trl_opd", *args(tmp_path / "machines")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+                for rank in (0, 1)]
+    try:
+        outputs = [machine.communicate(timeout=600)[0] for machine in machines]
+    finally:
+        for machine in machines:
+            machine.kill()
+    assert [machine.returncode for machine in machines] == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    one = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3, "-m", "trl_opd",
+                          *args(tmp_path / "one_launch")], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
+
+    def history(out):
+        state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+        return [{k: v for k, v in entry.items() if k in LOGGED} for entry in state["log_history"] if "loss" in entry]
+
+    machines_history, launch_history = history(tmp_path / "machines"), history(tmp_path / "one_launch")
+    assert len(machines_history) == 2 and machines_history[0].keys() == launch_history[0].keys()
+    for a, b in zip(machines_history, launch_history, strict=True):
+        for name in b:
+            assert a[name] == pytest.approx(b[name], rel=1e-6, abs=1e-7), name
+    after = [load_file(out / "adapter_model.safetensors") for out in (tmp_path / "machines", tmp_path / "one_launch")]
+    for name, expected in after[1].items():
+        torch.testing.assert_close(after[0][name], expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
