@@ -50,6 +50,19 @@ def test_missing_local_model_says_how_to_build_it(tmp_path, path, builder):
         cli.main(argv)
 
 
+def test_a_run_read_from_its_logs_alone_writes_no_weights(tiny, tmp_path):
+    # save_final_model: false (the prepared GPU check's runs): trained, logged, and nothing written to output_dir
+    argv = ["--config", SMOKE, "--model_name_or_path", str(tiny / "student"), "--teacher_model_name_or_path",
+            str(tiny / "teacher"), "--dataset_name", str(tiny / "train.jsonl"), "--output_dir", str(tmp_path / "out"),
+            "--max_steps", "2", "--logging_steps", "1", "--save_final_model", "false"]
+    trainer = cli.train(*cli.make_parser().parse_args_and_config(argv))
+    assert trainer.state.global_step == 2 and "opd/reverse_kl" in trainer.state.log_history[0]
+    written = [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert not [name for name in written if name.endswith((".safetensors", ".bin", ".pt", ".md"))], written
+    with pytest.raises(ValueError, match="save_final_model: false saves no final model"):
+        cli.train(*cli.make_parser().parse_args_and_config([*argv, "--push_to_hub", "true"]))
+
+
 def test_prompt_column_is_mapped_and_wrapped_as_a_chat_message(tmp_path):
     data = tmp_path / "questions.jsonl"
     data.write_text(json.dumps({"question": "What is 2 plus 2?", "prompt": "stale"}) + "\n")

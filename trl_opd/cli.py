@@ -33,6 +33,8 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
 
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
     merged = training_args.push_to_hub and script_args.push_merged
+    if not script_args.save_final_model and training_args.push_to_hub:
+        raise ValueError("save_final_model: false saves no final model, and push_to_hub pushes it: remove one.")
     if merged and training_args.hub_strategy != "end":
         raise ValueError(
             f"push_merged pushes the merged model once, at the end, but hub_strategy {training_args.hub_strategy!r} "
@@ -45,6 +47,9 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
     if trainer.eval_dataset is not None:
         print_eval_summary(trainer)
     output_dir = training_args.output_dir
+    if not script_args.save_final_model:
+        trainer.accelerator.print("Trained; the final model was not saved (save_final_model: false)")
+        return trainer
     if merged:
         trainer.args.push_to_hub = False  # the final push is the merged model's, below
     with pushing(output_dir, repo_id, token=training_args.hub_token):

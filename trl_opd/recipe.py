@@ -43,6 +43,11 @@ class OPDScriptArguments(ScriptArguments):
         default=False,
         metadata={"help": "With push_to_hub and a LoRA student: push the adapter merged into its base model."},
     )
+    save_final_model: bool = field(
+        default=True,
+        metadata={"help": "Save the trained model (or adapter) and its model card to output_dir at the end. false: "
+                          "a run read from its logs only (the prepared GPU check's), which writes no weights."},
+    )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={
