@@ -8,7 +8,11 @@
 
 Measured (2-core AMD EPYC, 2026-12-04): the smoke recipe 30 of 30 launches exited 0 (and 30 of 30 beside other
 jobs); full fine-tuning with the 'ema' self-teacher beside one CPU-bound process, 28 of 30 (two ranks, one in each,
-ended by SIGABRT about 12 s into a 15-s launch; the cause is not found yet), 60 of 60 in two more rounds.
+ended by SIGABRT about 12 s into a 15-s launch), 60 of 60 in two more rounds, 34 of 36 in a fourth
+(launch_exits_ema_loaded_stacks.json). The fault handler's report: "terminate called without an active exception",
+then one thread with no Python frame, after both ranks wrote the final model: a C++ thread object destroyed while
+still joinable during the interpreter's finalization, after cli.main's wait_for_everyone and end_training. Which
+library's thread is not found yet (a native stack from a core dump is the next step).
 
 Each launch is what the suite's multi-process tests run (the smoke recipe, 2 steps, `recipes/accelerate/zero3_cpu.yaml`,
 saving a checkpoint), with Python's fault handler on, so that a process that aborts prints every thread's stack. The
