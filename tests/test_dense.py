@@ -443,7 +443,7 @@ def test_a_teacher_with_extra_vocabulary_rows_is_compared_over_the_students_ids(
     torch.testing.assert_close(kl[valid], expected[valid], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("estimator", ["sampled", "full"])
+@pytest.mark.parametrize("estimator", ["sampled", "topk", "full"])
 def test_a_float32_head_beside_a_bf16_student_reads_its_states_in_float32(tiny, prompts, make_config, estimator):
     # cast_lm_head_to_fp32 with a bf16 student: the completion-only projection of the loss forward and the full
     # term read the backbone's bf16 states through the float32 head (old main: "expected m1 and m2 to have the same
@@ -455,7 +455,7 @@ def test_a_float32_head_beside_a_bf16_student_reads_its_states_in_float32(tiny, 
     assert student.model.embed_tokens.weight.dtype == torch.bfloat16
     assert trainer._student_head(student).weight.dtype == torch.float32
     logps = []
-    original = trainer._use_loss_forward_logps if estimator == "full" else None
+    original = trainer._use_loss_forward_logps if estimator != "sampled" else None
 
     def compare(inputs, old):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)

@@ -315,16 +315,14 @@ def check_chat_template(tokenizer, dataset, *, name: str, role: str = "student")
 
 def check_head_projectable(student) -> None:
     """This package projects the student's LM head by its weight (the dense terms on every device, the loss's
-    log-probs on a CPU), so the head must be a plain linear layer, or one that PEFT trains whole (`modules_to_save`,
-    one copy per adapter). A LoRA adapter or trainable tokens on it would be left out of those projections."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    log-probs on a CPU), so PEFT's trainable tokens on it (`trainable_token_indices`) would be left out of those
+    projections. (GRPO itself refuses a LoRA adapter on the head; `modules_to_save` trains it whole, which works.)"""
     from peft.utils.other import TrainableTokensWrapper
 
     head = student.get_output_embeddings()
-    if isinstance(head, (BaseTunerLayer, TrainableTokensWrapper)):
-        kind = "trainable tokens" if isinstance(head, TrainableTokensWrapper) else "a LoRA adapter"
+    if isinstance(head, TrainableTokensWrapper):
         raise ValueError(
-            f"The student's LM head carries {kind} ({type(head).__name__}), which the distillation terms would leave "
-            "out: they project the head by its weight. Train the head whole with modules_to_save=['lm_head'], or "
-            "leave it out of the adapter (target_modules without lm_head; 'all-linear' already leaves it out)."
+            "The student's LM head carries trainable tokens (trainable_token_indices), which the distillation terms "
+            "would leave out: they project the head by its weight. Train the head whole with "
+            "modules_to_save=['lm_head'], or leave the head out of trainable_token_indices."
         )
