@@ -43,7 +43,9 @@ def launch(tiny: Path, output_dir: Path, *, timeout: int, extra: list[str]) -> t
         "--output_dir", str(output_dir), "--max_steps", "2", "--per_device_train_batch_size", "8",
         "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "2", *extra,
     ]
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    probe = os.pathsep.join([str(ROOT / "tests" / "exit_probe"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": probe}
     start = time.perf_counter()
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
@@ -73,18 +75,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.tiny / "student").is_dir():
         sys.exit(f"No tiny pair in {args.tiny}: run `trl-opd make-tiny {args.tiny}` first.")
-    codes, failures, seconds = collections.Counter(), [], []
+    codes, failures, seconds, left = collections.Counter(), [], [], 0
     with tempfile.TemporaryDirectory() as scratch:
         for run in range(args.runs):
             code, output, elapsed = launch(args.tiny.resolve(), Path(scratch) / f"run{run}", timeout=args.timeout,
                                            extra=args.extra)
             codes[code] += 1
             seconds.append(elapsed)
+            # each worker's exit probe: the process-group threads it left for the interpreter's finalization
+            left += sum(1 for line in output.splitlines()
+                        if line.startswith("[exit probe]") and not line.endswith("at exit: []"))
             if code != 0:
                 failures.append({"run": run, "returncode": code, "output": abort_report(output)})
             print(f"launch {run + 1}/{args.runs}: exit {code} in {elapsed:.0f} s", flush=True)
     report = {"runs": args.runs, "options": args.extra, "exited_0": codes[0],
               "exit_codes": {str(k): v for k, v in sorted(codes.items())},
+              "ranks_exiting_with_process_group_threads": left,
               "seconds_per_launch": round(sum(seconds) / len(seconds), 1), "date": time.strftime("%Y-%m-%d"),
               "failures": failures}
     if args.json:

@@ -128,14 +128,54 @@ def main(argv: list[str] | None = None) -> None:
         from .preflight import check
 
         report = check(*make_parser().parse_args_and_config(argv))
+        end_processes()
         sys.exit(0 if report["ok"] else 1)
     script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
-    trainer = train(script_args, training_args, model_args, recipe=recipe)
-    # a process group left for the interpreter to tear down can abort a rank at exit (gloo's threads), failing a
-    # launch whose training and save succeeded
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    accelerator = train(script_args, training_args, model_args, recipe=recipe).accelerator
+    end_processes(accelerator)
+
+
+def end_processes(accelerator=None) -> None:
+    """Destroy the process groups, and free what holds them, while the interpreter is whole.
+
+    A gloo process group still referenced at exit is destroyed during the interpreter's finalization, where a rank
+    sometimes aborts ("terminate called without an active exception", SIGABRT) after its training and save
+    succeeded. Under ZeRO-3 the groups outlive `destroy_process_group`: every partitioned parameter names its group,
+    and DeepSpeed keeps each model it wrapped for the life of the process (on its forward-module stack, and in a
+    method cache of its parameter coordinator). So: release the accelerator's engines, that module state and the
+    caches, collect the models (the caller has dropped its trainer), and destroy through DeepSpeed, which also drops
+    its own references to its groups. Their threads are then joined here, not at exit.
+    """
+    import functools
+    import gc
+
+    import torch.distributed
+    from accelerate import PartialState
+
+    if not torch.distributed.is_initialized():  # one process: no group to destroy
+        if accelerator is not None:
+            accelerator.end_training()
+        return
+    PartialState().wait_for_everyone()
+    if accelerator is not None:
+        accelerator.free_memory()
+    if "deepspeed" in sys.modules:
+        from deepspeed.runtime.zero import parameter_offload
+
+        getattr(parameter_offload, "FWD_MODULE_STACK", []).clear()
+    for cached in [obj for obj in gc.get_objects() if isinstance(obj, functools._lru_cache_wrapper)]:
+        cached.cache_clear()
+    gc.collect()
+    if "deepspeed" in sys.modules:
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()
+    if accelerator is not None:
+        accelerator.end_training()  # its trackers
+    PartialState().destroy_process_group()  # where DeepSpeed did not
+    gc.collect()
 
 
 def _with_configured_state(argv: list[str]) -> list[str]:

@@ -169,6 +169,7 @@ def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dic
          f"({'OK, 0 as expected' if ok else f'FAILED: should be 0 within {ZERO_KL_TOLERANCE}'})")
     details = ", ".join(f"{name} = {value:.4f}" for name, value in sorted(teacher.items()))
     echo(f"recipe's teacher: {details}")
+    _release(trainer)
     return {"ok": ok, "reference": reference, "teacher": teacher}
 
 
