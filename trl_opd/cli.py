@@ -5,6 +5,7 @@
     trl-opd make-tiny artifacts/tiny                                    # the local models the smoke recipe uses
     trl-opd make-tiny-agent artifacts/tiny_agent                        # the tool-using pair of the agent recipe
     trl-opd serve-teacher MODEL [--port 8000] [vllm args]               # a vLLM server for teacher_server_url
+    trl-opd serve-env [--port 8765]                                     # the code tool environment (OpenEnv) server
     trl-opd check --config recipes/smoke_cpu.yaml                       # one-batch preflight of a recipe
     trl-opd push outputs/smoke --repo-id ORG/NAME [--merge]             # push a saved adapter/model to the Hub
 """
@@ -116,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
         from .serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["serve-env"]:
+        from .envs.code_env.server import main as serve_env_main
+
+        return serve_env_main(argv[1:])
     if argv[:1] == ["push"]:
         from .hub import main as push_main
 

@@ -62,3 +62,22 @@ def render_action_mask(tokenizer, completion_ids: list[int], mask: list[int], *,
             pieces.append(text if mask[start] else f"{context[0]}{text}{context[1]}")
             start = end
     return "".join(pieces)
+
+
+def check_environments(environments: list | None, accelerator) -> None:
+    """Stop, on every rank at once, before a batch whose rollouts lost their environment is scored or trained on.
+
+    GRPO turns an exception raised in a tool into an error message for the model and goes on, so a rollout whose
+    environment server died would be trained on as if the model had been told an error. An environment reports such
+    a loss in its `failure` attribute (None or a message; `trl_opd.envs.code_env.CodeToolClient` sets it).
+    """
+    if environments is None:  # no environment_factory (the same on every rank)
+        return
+    failures = [environment.failure for environment in environments if getattr(environment, "failure", None)]
+    count = torch.tensor(float(len(failures)), device=accelerator.device)
+    if accelerator.reduce(count, reduction="sum").item():
+        detail = f": {failures[0]}" if failures else " on another process"
+        raise RuntimeError(
+            f"Rollouts of this batch lost their environment{detail}. The batch was not trained on and the last "
+            "checkpoint is intact: restart the environment server and resume (resume_from_checkpoint: true)."
+        )

@@ -17,6 +17,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process_group(process, *, timeout: float) -> None:
+    """SIGTERM the process group a server was started in (`start_new_session=True`), SIGKILL it after `timeout` s,
+    and wait until its leader is gone; nothing if it is not running."""
+    import os
+    import signal
+    import subprocess
+
+    if process is None or process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 class TensorMemoryMeter:
     """Peak bytes of tensor storage allocated while active (CPU or GPU), via a dispatch mode.
 
@@ -126,18 +143,7 @@ class TeacherServerProcess:
 
     def stop(self) -> None:
         """Stop the server's whole process group (vLLM starts engine processes) and wait until it is gone."""
-        import os
-        import signal
-        import subprocess
-
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_process_group(self.process, timeout=30)
 
     def wait_ready(self, timeout: float = 600) -> None:
         """Until /health answers 200, then one scoring request (the first one is slow)."""

@@ -27,7 +27,7 @@ from .dense import DenseLossMixin
 from .hub import HubMixin
 from .loss import shared_temperature
 from .metrics import OPDMetricsMixin
-from .multiturn import action_mask, skip_first
+from .multiturn import action_mask, check_environments, skip_first
 from .overlap import OverlapScoringMixin
 from .policy import PolicyObjectiveMixin
 from .runs import RunSafetyMixin
@@ -56,7 +56,7 @@ def _teacher_only(**kwargs):
 class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMixin, OPDMetricsMixin,
                  AdvantagesMixin, PolicyObjectiveMixin, StudentMixin, DenseLossMixin, SelfDistillationMixin,
                  GRPOTrainer):
-    """On-policy distillation trainer. See `OPDConfig` for the OPD settings and the README for the metrics.
+    """On-policy distillation trainer. See `OPDConfig` for the OPD settings and docs/metrics.md for the metrics.
 
     Args:
         model: the student, as a path/Hub id or a model (optionally wrapped by `peft_config`).
@@ -271,6 +271,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
     def _generate(self, prompts: list):
         self._student_prompts = prompts  # as the student saw them: an environment's reset() observation included
         generated = super()._generate(prompts)
+        check_environments(self.environments, self.accelerator)  # none lost its server mid-rollout
         self._student_completions = generated[3]  # as chat messages: the tool loop's turns and tool results
         return generated
 

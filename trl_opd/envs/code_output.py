@@ -27,6 +27,9 @@ import re
 from pathlib import Path
 
 INSTRUCTION = "What does this Python code print? Reply with only the output."
+# the same question for an agent with the code tool environment's `run_python` (trl_opd/envs/code_env)
+TOOL_INSTRUCTION = ("What does this Python code print? You may run Python code with the run_python tool first. "
+                    "Then reply with only the output.")
 WORDS = ("banana", "kernel", "tensor", "python", "gradient", "lambda", "matrix", "vector", "planet", "garden", "rocket",
          "silver", "window", "castle", "orange", "button", "thread", "socket", "module", "string", "number", "editor",
          "folder", "packet", "kitten", "anchor", "bridge", "candle", "dragon", "forest", "hammer", "island", "jacket",
@@ -85,13 +88,14 @@ def run_program(source: str) -> str:
     return out.getvalue().strip()
 
 
-def code_row(source: str) -> dict:
+def code_row(source: str, *, instruction: str = INSTRUCTION) -> dict:
     """One conversational prompt row with its `solution` (what the program prints)."""
-    return {"prompt": [{"role": "user", "content": f"{INSTRUCTION}\n\n```python\n{source}\n```"}],
+    return {"prompt": [{"role": "user", "content": f"{instruction}\n\n```python\n{source}\n```"}],
             "solution": run_program(source)}
 
 
-def code_rows(n: int, seed: int, *, distinct: bool = True, exclude: frozenset[str] = frozenset()) -> list[dict]:
+def code_rows(n: int, seed: int, *, distinct: bool = True, exclude: frozenset[str] = frozenset(),
+              instruction: str = INSTRUCTION) -> list[dict]:
     """`n` random programs, the families in turn, none of whose text is in `exclude`; all different with
     `distinct` (the held-out set), else drawn with repeats (training prompts)."""
     rng = random.Random(seed)
@@ -103,7 +107,7 @@ def code_rows(n: int, seed: int, *, distinct: bool = True, exclude: frozenset[st
         source = _program(rng, len(rows) % len(_FAMILIES))
         if source not in exclude and not (distinct and source in seen):
             seen.add(source)
-            rows.append(code_row(source))
+            rows.append(code_row(source, instruction=instruction))
     return rows
 
 
@@ -111,12 +115,15 @@ def _source(row: dict) -> str:
     return row["prompt"][0]["content"].split("```python\n", 1)[1].rsplit("\n```", 1)[0]
 
 
-def make_code_task(directory: str | Path, *, train: int = 2048, heldout: int = 200) -> Path:
-    """Write `train.jsonl` and `heldout.jsonl` (prompt, solution) under `directory`; no program is in both."""
+def make_code_task(directory: str | Path, *, train: int = 2048, heldout: int = 200, tools: bool = False) -> Path:
+    """Write `train.jsonl` and `heldout.jsonl` (prompt, solution) under `directory`; no program is in both. With
+    `tools`, the prompts offer the `run_python` tool (the same programs)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    heldout_rows = code_rows(heldout, seed=2)
-    train_rows = code_rows(train, seed=1, distinct=False, exclude=frozenset(_source(row) for row in heldout_rows))
+    instruction = TOOL_INSTRUCTION if tools else INSTRUCTION
+    heldout_rows = code_rows(heldout, seed=2, instruction=instruction)
+    train_rows = code_rows(train, seed=1, distinct=False, exclude=frozenset(_source(row) for row in heldout_rows),
+                           instruction=instruction)
     for name, rows in (("train", train_rows), ("heldout", heldout_rows)):
         with open(directory / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -128,8 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory", nargs="?", default="artifacts/code_task")
     parser.add_argument("--train", type=int, default=2048, help="training prompts")
     parser.add_argument("--heldout", type=int, default=200, help="held-out prompts")
+    parser.add_argument("--tools", action="store_true", help="prompts that offer the run_python tool (trl-opd serve-env)")
     args = parser.parse_args(argv)
-    directory = make_code_task(args.directory, train=args.train, heldout=args.heldout)
+    directory = make_code_task(args.directory, train=args.train, heldout=args.heldout, tools=args.tools)
     print(f"{directory}: {args.train} training and {args.heldout} held-out programs (train.jsonl, heldout.jsonl)")
 
 
