@@ -2,7 +2,8 @@
 
 Trains the tiny local student against the tiny local teacher (`trl-opd make-tiny`) for a few dozen steps, and
 measures KL(student || teacher) on fixed held-out prompts before training and every `--eval-every` steps, with the
-evaluation code in `trl_opd.evaluation` (not the trainer's logged numbers). Prints a markdown table for the README.
+evaluation code in `trl_opd.evaluation` (not the trainer's logged numbers). Prints the markdown table of
+docs/benchmarks.md.
 
     .venv/bin/python benchmarks/heldout_reverse_kl.py --steps 60 --seeds 0 1 2
 """

@@ -10,7 +10,7 @@ the optimizer's state exists) each rank reports:
   forward, the dense term, the backward; under ZeRO-3 the gathers of every layer and head), by
   `trl_opd.testing.TensorMemoryMeter`, up to the optimizer's update;
 - step peak: the same over the whole step (generation, teacher scoring, loss, backward and update).
-Prints a markdown table for the README.
+Prints the markdown table of docs/scale-and-hub.md.
 
     .venv/bin/python benchmarks/zero3_memory.py
 """

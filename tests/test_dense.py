@@ -248,7 +248,7 @@ def test_short_benchmark_every_estimator_trains_and_full_lowers_heldout_kl_at_le
         assert all(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True)), estimator
         results[estimator] = evaluate()
     # the dense terms lower the held-out KL within 8 steps; the sampled-token one is too noisy to do so reliably that
-    # fast (measured: 3.29 -> 3.38 here; it needs tens of steps, see the README's table)
+    # fast (measured: 3.29 -> 3.38 here; it needs tens of steps, see docs/estimators.md's table)
     assert results["topk"] < results["before"] and results["full"] < results["before"], results
     assert results["full"] <= results["sampled"], results
 

@@ -123,10 +123,10 @@ class OPDConfig(GRPOConfig):
             "completion position, the reverse KL over the teacher's opd_topk most likely tokens and one bucket for "
             "the rest (local or served teacher). 'full': the dense term is the exact reverse KL over the whole "
             "vocabulary (one local teacher). Dense terms are computed in tiles; with opd_coef > 0 the sampled term is "
-            "added to them. Default: the best one the teacher source supports, as measured (README): 'full' for one "
-            "local teacher and for the student as its own (student_as_teacher; 'topk' where its weights move "
-            "between scoring and the loss), 'topk' for a served one, 'sampled' otherwise (reference and routed "
-            "teachers).",
+            "added to them. Default: the best one the teacher source supports, as measured (docs/estimators.md): "
+            "'full' for one local teacher and for the student as its own (student_as_teacher; 'topk' where its "
+            "weights move between scoring and the loss), 'topk' for a served one, 'sampled' otherwise (reference and "
+            "routed teachers).",
             "choices": list(OPD_ESTIMATORS),
         },
     )
