@@ -6,17 +6,19 @@
         --extra --use_peft false --teacher_model_name_or_path "" --student_as_teacher ema --teacher_ema_rate 0.5 \
         --teacher_system_prompt "Answer with the number only."     # with a CPU-bound process beside it
 
-Measured (2-core AMD EPYC, 2026-12-04): the smoke recipe 30 of 30 launches exited 0 (and 30 of 30 beside other
-jobs); full fine-tuning with the 'ema' self-teacher beside one CPU-bound process, 28 of 30 (two ranks, one in each,
-ended by SIGABRT about 12 s into a 15-s launch), 60 of 60 in two more rounds, 34 of 36 in a fourth
-(launch_exits_ema_loaded_stacks.json). The fault handler's report: "terminate called without an active exception",
-then one thread with no Python frame, after both ranks wrote the final model: a C++ thread object destroyed while
-still joinable during the interpreter's finalization, after cli.main's wait_for_everyone and end_training. Which
-library's thread is not found yet (a native stack from a core dump is the next step).
+Measured (2-core AMD EPYC, 2026-12-04). Before the fix: the smoke recipe 30 of 30 launches exited 0; full
+fine-tuning with the 'ema' self-teacher beside one CPU-bound process 122 of 126 in four rounds (each failure one rank
+ended by SIGABRT after both ranks saved: "terminate called without an active exception" during the interpreter's
+finalization, launch_exits_ema_loaded_stacks.json), and every rank exited with gloo's threads still running. The cause:
+under ZeRO-3 the process groups outlived `destroy_process_group` (each partitioned parameter names its group, and
+DeepSpeed keeps each model it wrapped), so they were destroyed during finalization. After `trl_opd.cli.end_processes`:
+'ema' beside a CPU-bound process 30 of 30, the smoke recipe 30 of 30, and no rank of the 60 launches exited with a
+process group left (launch_exits_ema_loaded.json, launch_exits_smoke.json).
 
 Each launch is what the suite's multi-process tests run (the smoke recipe, 2 steps, `recipes/accelerate/zero3_cpu.yaml`,
-saving a checkpoint), with Python's fault handler on, so that a process that aborts prints every thread's stack. The
-report counts exit codes and keeps, for every launch that did not exit 0, the end of its output.
+saving a checkpoint), with Python's fault handler on, so that a process that aborts prints every thread's stack, and
+with tests/exit_probe on PYTHONPATH, so that each worker reports the process-group threads it leaves for exit. The
+report counts exit codes and such ranks, and keeps, for every launch that did not exit 0, the end of its output.
 """
 
 from __future__ import annotations
