@@ -414,6 +414,53 @@ def test_a_client_without_a_server_url_says_how_to_give_one(monkeypatch):
     assert CodeToolClient().base_url == "http://127.0.0.1:9"
 
 
+def test_a_server_lost_mid_run_stops_training_and_the_last_checkpoint_resumes(tiny_agent, make_config, tmp_path):
+    """Its own server, stopped once step 1's checkpoint is written: step 2 fails naming the server and trains on
+    nothing; with the server back, training resumes from that checkpoint."""
+    import functools
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from trl_opd import OPDTrainer
+    from trl_opd.envs.code_env import CodeToolClient, EnvServerError
+    from trl_opd.envs.code_output import TOOL_INSTRUCTION, code_rows
+
+    server = EnvServerProcess(tmp_path / "server.log")
+    server.start()
+    server.wait_ready()
+    rows = Dataset.from_list(code_rows(8, seed=0, distinct=False, instruction=TOOL_INSTRUCTION))
+    output_dir = tmp_path / "run"
+
+    def build():
+        return OPDTrainer(model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"),
+                          train_dataset=rows, environment_factory=functools.partial(CodeToolClient, server.url,
+                                                                                    backoff_s=0.05),
+                          args=make_config(output_dir=str(output_dir), max_steps=2, save_strategy="steps",
+                                           save_steps=1, max_completion_length=16))
+
+    class LoseTheServerAfterSaving(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            server.stop()
+
+    try:
+        trainer = build()
+        trainer.add_callback(LoseTheServerAfterSaving())
+        with pytest.raises(EnvServerError, match=f"The environment server at {server.url} did not answer the reset"):
+            trainer.train()
+        assert sorted(path.name for path in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]
+        state = json.loads((output_dir / "checkpoint-1" / "trainer_state.json").read_text())
+        assert state["global_step"] == 1
+        server.start()
+        server.wait_ready()
+        resumed = build()
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.state.global_step == 2
+        assert json.loads((output_dir / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    finally:
+        server.stop()
+
+
 def test_a_killed_server_raises_an_error_naming_its_url(env_server):
     """Last in the file: it kills the session's server."""
     from trl_opd.envs.code_env import CodeToolClient, EnvServerError

@@ -28,8 +28,8 @@ from pathlib import Path
 
 INSTRUCTION = "What does this Python code print? Reply with only the output."
 # the same question for an agent with the code tool environment's `run_python` (trl_opd/envs/code_env)
-TOOL_INSTRUCTION = ("What does this Python code print? You may run Python code with the run_python tool first. "
-                    "Then reply with only the output.")
+TOOL_INSTRUCTION = ("What does this Python code print? Call the run_python tool to run it first, then reply with "
+                    "only the output.")
 WORDS = ("banana", "kernel", "tensor", "python", "gradient", "lambda", "matrix", "vector", "planet", "garden", "rocket",
          "silver", "window", "castle", "orange", "button", "thread", "socket", "module", "string", "number", "editor",
          "folder", "packet", "kitten", "anchor", "bridge", "candle", "dragon", "forest", "hammer", "island", "jacket",
