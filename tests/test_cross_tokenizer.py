@@ -456,7 +456,8 @@ def test_check_shows_a_tool_rollout_with_the_teachers_own_observations(tiny_agen
 
     argv = ["check", "--config", "recipes/agent_tools_cpu.yaml", "--model_name_or_path", str(tiny_agent / "student"),
             "--teacher_model_name_or_path", str(tiny_other_teacher), "--teacher_tokenizer_mode", "cross",
-            "--dataset_name", str(tiny_agent / "train.jsonl"), "--output_dir", str(tmp_path / "unused")]
+            "--dataset_name", str(tiny_agent / "train.jsonl"), "--output_dir", str(tmp_path / "unused"),
+            "--per_device_train_batch_size", "8"]  # one batch of 8 is enough to show a tool rollout
     torch.manual_seed(0)
     with pytest.raises(SystemExit) as exit_code:
         cli.main(argv)
