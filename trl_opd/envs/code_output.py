@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory", nargs="?", default="artifacts/code_task")
     parser.add_argument("--train", type=int, default=2048, help="training prompts")
     parser.add_argument("--heldout", type=int, default=200, help="held-out prompts")
-    parser.add_argument("--tools", action="store_true", help="prompts that offer the run_python tool (trl-opd serve-env)")
+    parser.add_argument("--tools", action="store_true",
+                        help="prompts that offer the run_python tool (trl-opd serve-env)")
     args = parser.parse_args(argv)
     directory = make_code_task(args.directory, train=args.train, heldout=args.heldout, tools=args.tools)
     print(f"{directory}: {args.train} training and {args.heldout} held-out programs (train.jsonl, heldout.jsonl)")

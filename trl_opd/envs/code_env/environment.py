@@ -4,14 +4,14 @@ An episode starts with `reset(program=..., solution=...)` (both optional: they a
 agent's prompt already shows the program). Each step is one tool call, `ToolCall(tool="run_python",
 arguments={"code": ...})`, which runs the snippet in a fresh sandbox (`sandbox.py`) and returns its output:
 
-- the snippet's stdout, then its stderr, cut to `max_output` characters (default 1024) followed by
+- the snippet's stdout, then its stderr, cut to `max_output` characters (`--max-output`, default 1024) followed by
   `[output truncated: the first N characters are shown]` when longer;
 - then one note on how it ended, if not normally: `[killed: ran past the time limit of S s]`, `[killed: used more than
   the CPU time limit of S s]`, `[killed by signal NAME]`, or `[exit code N]` (Python's traceback is in stderr).
 
-Every call counts as a turn, refused or not. The call that reaches `max_turns` (default 8) runs and ends the
-episode (`done`); calls after it, calls before any reset, an unknown tool name, and arguments other than one string
-`code` are answered with an error observation (`error` set, nothing run) naming what is accepted.
+Every call counts as a turn, refused or not. The call that reaches `max_turns` (`--max-turns`, default 8) runs and
+ends the episode (`done`); calls after it, calls before any reset, an unknown tool name, and arguments other than one
+string `code` are answered with an error observation (`error` set, nothing run) naming what is accepted.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from openenv.core.env_server.types import EnvironmentMetadata
 from .models import TOOLS, CodeToolState, ToolCall, ToolResult
 from .sandbox import RunResult, Sandbox
 
-MAX_TURNS = 8
-MAX_OUTPUT = 1024  # characters of output the agent sees per call
 TRUNCATED = "[output truncated: the first {limit} characters are shown]"
 
 
@@ -58,7 +56,7 @@ class CodeToolEnvironment(Environment[ToolCall, ToolResult, CodeToolState]):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, sandbox: Sandbox, *, max_turns: int = MAX_TURNS, max_output: int = MAX_OUTPUT):
+    def __init__(self, sandbox: Sandbox, *, max_turns: int, max_output: int):
         super().__init__()
         self.sandbox, self.max_turns, self.max_output = sandbox, max_turns, max_output
         self._state: CodeToolState | None = None

@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_app(sandbox: Sandbox, *, max_turns: int = 8, max_output: int = 1024, max_sessions: int = 256,
-             session_timeout: float | None = 900.0):
-    """OpenEnv's FastAPI app serving `CodeToolEnvironment`s that share `sandbox` (already checked)."""
+def make_app(sandbox: Sandbox, *, max_turns: int, max_output: int, max_sessions: int, session_timeout: float | None):
+    """OpenEnv's FastAPI app serving `CodeToolEnvironment`s that share `sandbox` (already checked); the settings'
+    defaults are the command's (`build_parser`)."""
     from openenv.core.env_server import ConcurrencyConfig, create_fastapi_app
 
     from .environment import CodeToolEnvironment
