@@ -461,6 +461,57 @@ def test_a_server_lost_mid_run_stops_training_and_the_last_checkpoint_resumes(ti
         server.stop()
 
 
+class MalformingServer:
+    """A fault injector on a loopback port: a WebSocket server that answers a reset as the code tool server does and
+    every step with `answer` (a raw text frame)."""
+
+    def __init__(self, answer: str):
+        import threading
+
+        from websockets.sync.server import serve
+
+        def handle(connection):
+            for message in connection:
+                kind = json.loads(message)["type"]
+                if kind == "close":
+                    return
+                connection.send(json.dumps({"type": "observation", "data": {"observation": {"output": ""}}})
+                                if kind == "reset" else answer)
+
+        self.server = serve(handle, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.socket.getsockname()[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("answer", [
+    "not json",
+    json.dumps({"type": "observation", "data": {"observation": {}}}),  # no output: never an empty observation
+    json.dumps({"type": "observation", "data": {"observation": {"output": 7}}}),
+    json.dumps({"type": "observation", "data": {"observation": {"output": "1", "turn": "first"}}}),
+], ids=["not-json", "no-output", "output-not-a-string", "a-field-of-the-wrong-type"])
+def test_a_malformed_observation_stops_the_batch_naming_the_server(answer):
+    """The server's answer to a tool call is not a code tool result: the call raises naming the server and what was
+    wrong, the client records the failure, and the trainer's check stops before that batch is scored."""
+    from accelerate import Accelerator
+
+    from trl_opd.envs.code_env import CodeToolClient, EnvServerError
+    from trl_opd.multiturn import check_environments
+
+    server = MalformingServer(answer)
+    try:
+        environment = CodeToolClient(server.url)
+        environment.reset(prompt="")
+        with pytest.raises(EnvServerError) as malformed:
+            environment.run_python("print(1)")
+        message = str(malformed.value)
+        assert message.startswith(f"The environment server at {server.url} sent a malformed answer to the run_python")
+        assert environment.failure == message and environment.calls == []
+        with pytest.raises(RuntimeError, match="lost their environment: The environment server at .* malformed"):
+            check_environments([environment], Accelerator(cpu=True))
+    finally:
+        server.server.shutdown()
+
+
 def test_a_killed_server_raises_an_error_naming_its_url(env_server):
     """Last in the file: it kills the session's server."""
     from trl_opd.envs.code_env import CodeToolClient, EnvServerError

@@ -7,9 +7,10 @@ session, opened at its first reset and reused for later episodes.
 
 Failures are never an empty observation. A reset that cannot reach the server is retried `RETRIES` times (backoff
 0.5, 1, 2 s), then raises `EnvServerError` naming the URL; TRL does not catch it there, so training stops. A tool
-call whose connection is lost raises `EnvServerError` at once (the episode lived in that server session) and sets
-`failure`: TRL turns an exception in a tool into an `{"error": ...}` tool message for the model, and `OPDTrainer`
-then stops before that batch is scored or trained on (`trl_opd.multiturn.check_environments`).
+call whose connection is lost, or whose answer is not a code tool result (not JSON, no string `output`, a field of
+the wrong type), raises `EnvServerError` at once (the episode lived in that server session) and sets `failure`:
+TRL turns an exception in a tool into an `{"error": ...}` tool message for the model, and `OPDTrainer` then stops
+before that batch is scored or trained on (`trl_opd.multiturn.check_environments`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import weakref
 
 from openenv.core.client_types import StepResult
 from openenv.core.env_client import EnvClient
+from pydantic import ValidationError
 from websockets.exceptions import WebSocketException
 
 from .models import CodeToolState, ToolCall, ToolResult
@@ -34,7 +36,17 @@ _TRANSPORT_ERRORS = (OSError, WebSocketException)
 
 
 class EnvServerError(RuntimeError):
-    """The environment server could not be reached, or refused a request; the message names its URL."""
+    """The environment server could not be reached, refused a request or answered one with something that is not a
+    code tool result; the message names its URL."""
+
+
+class MalformedAnswer(ValueError):
+    """An answer of the server that is not a code tool result."""
+
+
+def _excerpt(payload, limit: int = 200) -> str:
+    text = repr(payload)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class CodeToolEnvClient(EnvClient[ToolCall, ToolResult, CodeToolState]):
@@ -45,9 +57,17 @@ class CodeToolEnvClient(EnvClient[ToolCall, ToolResult, CodeToolState]):
         return action.model_dump(exclude={"metadata"})
 
     def _parse_result(self, payload: dict) -> StepResult[ToolResult]:
-        done, reward = bool(payload.get("done", False)), payload.get("reward")
-        observation = ToolResult(**payload.get("observation", {}), done=done, reward=reward)
-        return StepResult(observation=observation, reward=reward, done=done)
+        """The server's answer as a result. An answer that is not a code tool result raises `MalformedAnswer`: it
+        must never reach the model as an empty or made-up observation."""
+        observation = payload.get("observation") if isinstance(payload, dict) else None
+        if not isinstance(observation, dict) or not isinstance(observation.get("output"), str):
+            raise MalformedAnswer(f"no observation with a string 'output' in {_excerpt(payload)}")
+        done, reward = payload.get("done", False), payload.get("reward")
+        try:
+            result = ToolResult(**observation, done=done, reward=reward)
+        except ValidationError as error:
+            raise MalformedAnswer(f"{error.error_count()} invalid field(s) in {_excerpt(payload)}") from error
+        return StepResult(observation=result, reward=reward, done=result.done)
 
     def _parse_state(self, payload: dict) -> CodeToolState:
         return CodeToolState(**payload)
@@ -122,6 +142,10 @@ class CodeToolClient:
             except _TRANSPORT_ERRORS as lost:
                 error = lost
                 self._disconnect()
+            except ValueError as malformed:  # not JSON (json.JSONDecodeError) or not a tool result (MalformedAnswer)
+                self._disconnect()
+                raise EnvServerError(f"The environment server at {self.base_url} sent a malformed answer to the "
+                                     f"{what}: {malformed}") from malformed
             except RuntimeError as refused:  # EnvClient's "Server error: ..." answer
                 raise EnvServerError(f"The environment server at {self.base_url} refused the {what}: {refused}"
                                      ) from refused
