@@ -308,3 +308,18 @@ def test_two_machines_of_one_process_train_like_one_launch_of_two(tiny, tmp_path
     after = [load_file(out / "adapter_model.safetensors") for out in (tmp_path / "machines", tmp_path / "one_launch")]
     for name, expected in after[1].items():
         torch.testing.assert_close(after[0][name], expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
+def test_a_rollout_that_lost_its_environment_on_one_rank_stops_every_rank():
+    from trl_opd.testing import free_port
+
+    # GRPO shows the model the tool's error and goes on; the check before scoring must stop both processes, or the
+    # rank that lost nothing would wait forever in the next collective
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "environments_run.py")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2, result.stdout
+    assert lines[0].startswith("rank 0 stopped: Rollouts of this batch lost their environment on another process.")
+    assert lines[1].startswith("rank 1 stopped: Rollouts of this batch lost their environment: lost at rank 1.")

@@ -179,6 +179,54 @@ def test_tool_rollouts_distil_only_what_the_student_sampled(tiny_agent, make_con
     assert all(0.0 < entry["opd/action_token_fraction"] < 1.0 for entry in logs)
 
 
+def test_an_observation_longer_than_the_completion_budget_is_dropped_and_its_rollout_ends_at_the_call(
+        tiny_agent, make_config):
+    """A tool result that would push the completion past max_completion_length (a fault injected: every result is
+    4000 characters) is never shown, scored or trained on: GRPO's tool loop drops it and the rollout ends with the
+    student's call, which is still distilled like any turn it sampled."""
+    from datasets import load_dataset
+
+    from trl_opd.envs import ArithmeticToolEnv
+
+    flood = "9" * 4000
+
+    class FloodingToolEnv(ArithmeticToolEnv):
+        def _serve(self, name, a, b, result):
+            super()._serve(name, a, b, result)
+            return flood
+
+    prompts = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train")
+    trainer = OPDTrainer(
+        model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"), train_dataset=prompts,
+        environment_factory=FloodingToolEnv,
+        args=make_config(max_steps=1, per_device_train_batch_size=8, max_completion_length=128,
+                         max_tool_calling_iterations=3, opd_estimator=None),
+    )
+    torch.manual_seed(0)
+    batch = trainer._generate_and_score_completions([dict(prompts[i]) for i in range(8)])
+    called = [bool(environment.calls) for environment in trainer.environments]
+    assert any(called), "no rollout called a tool"
+    tokenizer = trainer.processing_class
+    for row, ids, completion_mask, mask in zip(range(8), batch["completion_ids"], batch["completion_mask"],
+                                               batch["action_mask"], strict=True):
+        valid = completion_mask.bool()
+        assert mask[valid].all(), f"rollout {row}: a position outside the student's own tokens"
+        text = tokenizer.decode(ids[valid])
+        assert "9999" not in text and "<|im_start|>tool" not in text
+        if called[row]:  # it ends with its call: the end-of-turn token it sampled, nothing after
+            assert "<tool_call>" in text and ids[valid][-1] == tokenizer.eos_token_id
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+    assert logs and all(math.isfinite(entry["loss"] + entry["opd/reverse_kl"]) for entry in logs)
+    assert all(entry["opd/action_token_fraction"] == 1.0 for entry in logs)  # no observation left in any rollout
+
+
+def test_untagged_tool_calls_without_a_tool_loop_is_refused(tiny, prompts, make_config):
+    # a rollout function parses its own calls: the option would do nothing there
+    with pytest.raises(ValueError, match="untagged_tool_calls parses tool calls for GRPO's tool loop"):
+        _trainer(tiny, prompts, make_config, untagged_tool_calls=True)
+
+
 def test_render_action_mask_brackets_what_is_not_distilled(tokenizer):
     from trl_opd.multiturn import render_action_mask
 

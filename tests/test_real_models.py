@@ -7,6 +7,7 @@ The models are named by Hub id and read through `resolve_model`: `make test` bui
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -127,3 +128,42 @@ def test_code_task_answers_are_what_python_prints_and_no_heldout_program_is_trai
     completions = [answer, f"`{answer}`", f"```plaintext\n{answer}\n```", f"'{answer}'", f"{answer}.", "", answer[:-1]]
     assert printed_output_reward([[{"role": "assistant", "content": c}] for c in completions],
                                  [answer] * len(completions)) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+@needs_real_models
+def test_tool_calls_of_both_qwen_templates_are_parsed_and_untagged_ones_on_request():
+    # TRL knows Qwen2.5's template by its text and the 1.5B's differs in one line, so its tool loop would parse no
+    # call of the 1.5B; and both models write their call as bare or fenced JSON, without the template's tags
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    from trl_opd.multiturn import set_tool_call_parser
+
+    call = {"type": "function", "function": {"name": "run_python", "arguments": {"code": "print(1)"}}}
+    tagged = '<tool_call>\n{"name": "run_python", "arguments": {"code": "print(1)"}}\n</tool_call><|im_end|>'
+    fenced = '```json\n{\n  "name": "run_python",\n  "arguments": {"code": "print(1)"}\n}\n```<|im_end|>'
+    bare = '{"name": "run_python", "arguments": {"code": "print(1)"}}<|im_end|>'
+    answers = ['{"name": "run_python", "arguments": {"code": "print(1)"}, "return": "1"}<|im_end|>',  # extra key
+               'Run {"name": "run_python", "arguments": {}}<|im_end|>', "1<|im_end|>"]  # prose; a plain answer
+    for name in (QWEN_05B, QWEN_15B):
+        untouched = AutoTokenizer.from_pretrained(resolve_model(name))
+        if name == QWEN_15B:
+            with pytest.raises(ValueError, match="Unrecognized chat template"):
+                add_response_schema(untouched)
+        for untagged in (False, True):
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
+            set_tool_call_parser(tokenizer, SimpleNamespace(untagged_tool_calls=untagged), multi_turn=True)
+
+            def parse(text, tokenizer=tokenizer):  # as GRPO's tool loop calls it, after the prompt's ids
+                prefix = tokenizer.apply_chat_template([{"role": "user", "content": "?"}], tokenize=True,
+                                                       add_generation_prompt=True, return_dict=False)
+                return parse_response(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"],
+                                      prefix=prefix)
+
+            assert parse(tagged)["tool_calls"] == [call]
+            for text in (fenced, bare):
+                assert parse(text).get("tool_calls") == ([call] if untagged else None), (name, text)
+            assert all(not parse(text).get("tool_calls") and parse(text)["content"] for text in answers)
+    with pytest.raises(ValueError, match="untagged_tool_calls parses tool calls for GRPO's tool loop, and this run "
+                                         "has none"):
+        set_tool_call_parser(untouched, SimpleNamespace(untagged_tool_calls=True), multi_turn=False)

@@ -313,6 +313,12 @@ class OPDConfig(GRPOConfig):
             "(steps_per_generation = gradient_accumulation_steps) and num_iterations 1."
         },
     )
+    untagged_tool_calls: bool = field(
+        default=False,
+        metadata={"help": "With tools or an environment: also run a turn that is only a JSON tool call, bare or in a "
+                  "code fence ({\"name\": ..., \"arguments\": {...}}), without its template's tags (e.g. "
+                  "<tool_call>), as small models often write it. Off: such a turn is an answer, as in GRPO."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={

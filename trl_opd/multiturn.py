@@ -12,6 +12,9 @@ returns ids, so what is scored is exactly what was sampled.
 
 from __future__ import annotations
 
+import json
+import re
+
 import torch
 
 
@@ -75,9 +78,85 @@ def check_environments(environments: list | None, accelerator) -> None:
         return
     failures = [environment.failure for environment in environments if getattr(environment, "failure", None)]
     count = torch.tensor(float(len(failures)), device=accelerator.device)
-    if accelerator.reduce(count, reduction="sum").item():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # every rank, however its group was set up: accelerate's reduce is a no-op where it believes it is alone
+        # (2 CPU processes whose gloo group it did not set up as MULTI_CPU)
+        torch.distributed.all_reduce(count)
+    if count.item():
         detail = f": {failures[0]}" if failures else " on another process"
         raise RuntimeError(
             f"Rollouts of this batch lost their environment{detail}. The batch was not trained on and the last "
             "checkpoint is intact: restart the environment server and resume (resume_from_checkpoint: true)."
         )
+
+
+def with_response_parser(tokenizer):
+    """The tokenizer with a parser for its tool calls, as GRPO's tool loop needs.
+
+    TRL sets one for chat templates it knows by their exact text, and only when `tools` is given: with an
+    `environment_factory` alone, or a template it does not know, the loop would decode every call as plain text, so
+    no tool would ever run. Qwen2.5-Coder-1.5B-Instruct's template differs from Qwen2.5's in one line of its tool
+    instructions (doubled braces around the example call) and its calls are the same `<tool_call>{json}</tool_call>`:
+    a template TRL does not know that asks for that format is parsed as Qwen2.5's; any other is refused.
+    """
+    from trl.chat_template_utils import add_response_schema, qwen3_template
+
+    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+        return tokenizer
+    try:
+        return add_response_schema(tokenizer)
+    except ValueError as unknown:
+        if "<tool_call>" not in (tokenizer.chat_template or ""):
+            raise ValueError(
+                "TRL cannot parse tool calls in this tokenizer's chat template, so no tool call would ever run. Set "
+                "its `response_template` (see transformers' chat response parsing docs) before training."
+            ) from unknown
+        tokenizer.response_template = qwen3_template  # what TRL sets for Qwen2.5's template: <tool_call>{json}
+        return tokenizer
+
+
+def set_tool_call_parser(tokenizer, args, *, multi_turn: bool) -> None:
+    """Give the student's tokenizer the tool-call parser GRPO's tool loop reads (`with_response_parser`), also
+    reading untagged JSON calls with `args.untagged_tool_calls`; refused without tools or an environment."""
+    if args.untagged_tool_calls and not multi_turn:
+        raise ValueError("untagged_tool_calls parses tool calls for GRPO's tool loop, and this run has none: pass "
+                         "tools or an environment_factory, or remove untagged_tool_calls.")
+    if multi_turn:
+        with_response_parser(tokenizer)
+    if args.untagged_tool_calls:
+        read_untagged_tool_calls(tokenizer)
+
+
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", flags=re.DOTALL)
+
+
+def untagged_tool_calls(content: str) -> list[dict] | None:
+    """The calls in a turn that is nothing but a JSON tool call (or a list of them), bare or in one code fence:
+    `{"name": "run_python", "arguments": {"code": "print(1)"}}`; None for anything else."""
+    text = content.strip()
+    fenced = _FENCE.fullmatch(text)
+    try:
+        value = json.loads(fenced.group(1) if fenced else text)
+    except ValueError:
+        return None
+    calls = value if isinstance(value, list) else [value]
+    if not calls or not all(isinstance(call, dict) and set(call) == {"name", "arguments"} and
+                            isinstance(call["name"], str) and isinstance(call["arguments"], dict) for call in calls):
+        return None
+    return [{"type": "function", "function": call} for call in calls]
+
+
+def read_untagged_tool_calls(tokenizer) -> None:
+    """Make `tokenizer.parse_response` (what GRPO's tool loop calls) also read `untagged_tool_calls` from a turn
+    without tagged calls. Only this tokenizer object changes; nothing is saved with it."""
+    if getattr(tokenizer, "_reads_untagged_tool_calls", False):
+        return
+    parse = tokenizer.parse_response
+
+    def parse_response(*args, **kwargs):
+        parsed = parse(*args, **kwargs)
+        calls = None if parsed.get("tool_calls") else untagged_tool_calls(parsed.get("content") or "")
+        return {**parsed, "content": "", "tool_calls": calls} if calls else parsed
+
+    tokenizer.parse_response = parse_response
+    tokenizer._reads_untagged_tool_calls = True

@@ -118,9 +118,9 @@ class TeacherServerProcess:
     """
 
     def __init__(self, model, log, python: str, *, port: int | None = None, max_model_len: int = 512,
-                 site: str | Path | None = None):
+                 site: str | Path | None = None, extra: tuple[str, ...] = ()):
         self.model, self.log, self.python, self.max_model_len = model, Path(log), python, max_model_len
-        self.site = site
+        self.site, self.extra = site, list(extra)  # more vLLM flags
         self.url = f"http://127.0.0.1:{port or free_port()}"
         self.process = None
 
@@ -135,7 +135,7 @@ class TeacherServerProcess:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.site), env.get("PYTHONPATH")]))
         command = [sys.executable, "-m", "trl_opd", "serve-teacher", str(self.model), "--python", self.python,
                    "--port", self.url.rsplit(":", 1)[1], "--dtype", "float32",
-                   "--max-model-len", str(self.max_model_len), "--enforce-eager"]
+                   "--max-model-len", str(self.max_model_len), "--enforce-eager", *self.extra]
         with open(self.log, "a") as out:
             # `-m` puts the working directory first on sys.path: run from the site, not from a source checkout
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -27,7 +27,7 @@ from .dense import DenseLossMixin
 from .hub import HubMixin
 from .loss import shared_temperature
 from .metrics import OPDMetricsMixin
-from .multiturn import action_mask, check_environments, skip_first
+from .multiturn import action_mask, check_environments, set_tool_call_parser, skip_first
 from .overlap import OverlapScoringMixin
 from .policy import PolicyObjectiveMixin
 from .runs import RunSafetyMixin
@@ -119,6 +119,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
             )
         check_chat_template(processing_class, train_dataset, name="train_dataset")
         student_tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        set_tool_call_parser(student_tokenizer, args, multi_turn=bool(tools or environment_factory))
         teacher_tokenizers = None  # cross mode: each teacher's own tokenizer, by name
         if args.teacher_tokenizer_mode == "cross":
             teacher_tokenizers = load_cross_tokenizers(teacher_model, args, student_tokenizer=student_tokenizer,
