@@ -8,18 +8,17 @@ Each rank prints one line: `rank R stopped: <message>`, or `rank R went on` if i
 
 from types import SimpleNamespace
 
-from accelerate import Accelerator
+import torch
 
-from trl_opd import cli
 from trl_opd.multiturn import check_environments
 
-cli._cpu_process_group()
-accelerator = Accelerator()
-rank = accelerator.process_index
+torch.distributed.init_process_group("gloo")  # a group of its own: the check must not depend on who set it up
+rank = torch.distributed.get_rank()
+accelerator = SimpleNamespace(device=torch.device("cpu"))  # all the check reads of the trainer's accelerator
 environments = [SimpleNamespace(failure=None), SimpleNamespace(failure=f"lost at rank {rank}" if rank == 1 else None)]
 try:
     check_environments(environments, accelerator)
     print(f"rank {rank} went on", flush=True)
 except RuntimeError as stopped:
     print(f"rank {rank} stopped: {stopped}", flush=True)
-cli.end_processes(accelerator)
+torch.distributed.destroy_process_group()

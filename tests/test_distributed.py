@@ -323,3 +323,16 @@ def test_a_rollout_that_lost_its_environment_on_one_rank_stops_every_rank():
     assert len(lines) == 2, result.stdout
     assert lines[0].startswith("rank 0 stopped: Rollouts of this batch lost their environment on another process.")
     assert lines[1].startswith("rank 1 stopped: Rollouts of this batch lost their environment: lost at rank 1.")
+
+
+def test_cpu_processes_without_deepspeed_are_refused(tiny, tmp_path):
+    # torchrun without accelerate's DeepSpeed settings: the Trainer does not wrap the model for data parallelism, and
+    # each process would train its own copy, saving one of them as if it were the run's
+    from trl_opd.testing import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "trl_opd", *_args(tiny, tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode != 0
+    assert "2 CPU processes, and no DeepSpeed configuration to train them as one" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -206,8 +206,15 @@ def _cpu_process_group() -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) < 2 or torch.cuda.is_available():
         return False
     from accelerate import PartialState
+    from accelerate.utils import DistributedType
 
-    PartialState(backend="gloo")
+    if PartialState(backend="gloo").distributed_type == DistributedType.NO:
+        # e.g. torchrun without accelerate's DeepSpeed settings: the Trainer would not wrap the model for data
+        # parallelism, and each process would train its own copy of the student, never synchronised
+        raise SystemExit(
+            f"{os.environ['WORLD_SIZE']} CPU processes, and no DeepSpeed configuration to train them as one: each "
+            "would train its own copy of the student. Launch with accelerate and a DeepSpeed config: accelerate "
+            "launch --config_file recipes/accelerate/zero3_cpu.yaml -m trl_opd --config ...")
     return True
 
 
