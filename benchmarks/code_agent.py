@@ -50,6 +50,7 @@ def rollout(row: dict, index: int, *, tokenizer, complete, do_sample: bool, seed
     prompt = tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True,
                                            return_dict=False)
     ids, messages, calls, answered = list(prompt), [], 0, False
+    chat_template = loop_chat_template(tokenizer)
     for turn in range(max_tool_calls + 1):
         budget = max_completion_length - (len(ids) - len(prompt))
         if budget <= 0:
@@ -72,7 +73,7 @@ def rollout(row: dict, index: int, *, tokenizer, complete, do_sample: bool, seed
             except Exception as error:  # a malformed call: the tool loop returns the error as the result
                 result = {"error": str(error)}
             results.append({"role": "tool", "name": function.get("name"), "content": str(result)})
-        suffix = tool_suffix_ids(tokenizer, message, results, loop_chat_template(tokenizer))
+        suffix = tool_suffix_ids(tokenizer, message, results, chat_template)
         if len(ids) + len(suffix) - len(prompt) > max_completion_length:
             break  # the trainer drops a result that would pass the budget, and the episode ends at the call
         messages += results
@@ -98,14 +99,9 @@ def stated_in_json(messages: list[dict], solution: str) -> bool:
     """Whether the last reply is a JSON object (bare or fenced) whose "return", "output" or "result" is the answer:
     how the 1.5B states the output after a tool call. Reported beside the accuracy, never instead of it."""
     from trl_opd.envs.code_output import answer_text
-    from trl_opd.multiturn import _FENCE
+    from trl_opd.multiturn import json_reply
 
-    text = messages[-1].get("content") or "" if messages else ""
-    fenced = _FENCE.fullmatch(text.strip())
-    try:
-        value = json.loads(fenced.group(1) if fenced else text)
-    except ValueError:
-        return False
+    value = json_reply(messages[-1].get("content") or "") if messages else None
     stated = [value.get(key) for key in ("return", "output", "result")] if isinstance(value, dict) else []
     return any(isinstance(item, str) and answer_text(item) == solution for item in stated)
 
@@ -120,12 +116,11 @@ def evaluate(model_dir: str, rows: list[dict], *, python: str, log: Path, max_co
     from transformers import AutoTokenizer, GenerationConfig
 
     from trl_opd.envs.code_output import printed_output_reward
-    from trl_opd.multiturn import read_untagged_tool_calls, with_response_parser
+    from trl_opd.multiturn import set_tool_call_parser
     from trl_opd.testing import TeacherServerProcess
 
-    tokenizer = with_response_parser(AutoTokenizer.from_pretrained(model_dir))  # as OPDTrainer sets it
-    if untagged_tool_calls:
-        read_untagged_tool_calls(tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    set_tool_call_parser(tokenizer, SimpleNamespace(untagged_tool_calls=untagged_tool_calls), multi_turn=True)
     eos = GenerationConfig.from_pretrained(model_dir).eos_token_id  # the model's own stop tokens, as generate uses
     stops = sorted({tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])})
     report = {}

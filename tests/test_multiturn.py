@@ -221,7 +221,24 @@ def test_an_observation_longer_than_the_completion_budget_is_dropped_and_its_rol
     assert all(entry["opd/action_token_fraction"] == 1.0 for entry in logs)  # no observation left in any rollout
 
 
-def test_untagged_tool_calls_without_a_tool_loop_is_refused(tiny, prompts, make_config):
+def test_untagged_tool_calls_reach_the_tool_loop_and_are_refused_without_one(tiny_agent, tiny, prompts, make_config):
+    from datasets import load_dataset
+    from trl.chat_template_utils import parse_response
+
+    from trl_opd.envs import ArithmeticToolEnv
+
+    rows = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train")
+    bare = '{"name": "add", "arguments": {"a": 3, "b": 4}}'
+    call = [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]
+    for untagged in (False, True):
+        trainer = OPDTrainer(model=str(tiny_agent / "student"), teacher_model=str(tiny_agent / "teacher"),
+                             train_dataset=rows, environment_factory=ArithmeticToolEnv,
+                             args=make_config(untagged_tool_calls=untagged))
+        tokenizer = trainer._tokenizer  # the one GRPO's tool loop parses with
+        ids = tokenizer(bare + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        prefix = tokenizer.apply_chat_template(rows[0]["prompt"], tokenize=True, add_generation_prompt=True,
+                                               return_dict=False)
+        assert parse_response(tokenizer, ids, prefix=prefix).get("tool_calls") == (call if untagged else None)
     # a rollout function parses its own calls: the option would do nothing there
     with pytest.raises(ValueError, match="untagged_tool_calls parses tool calls for GRPO's tool loop"):
         _trainer(tiny, prompts, make_config, untagged_tool_calls=True)

@@ -93,11 +93,10 @@ def check_environments(environments: list | None, accelerator) -> None:
 def with_response_parser(tokenizer):
     """The tokenizer with a parser for its tool calls, as GRPO's tool loop needs.
 
-    TRL sets one for chat templates it knows by their exact text, and only when `tools` is given: with an
-    `environment_factory` alone, or a template it does not know, the loop would decode every call as plain text, so
-    no tool would ever run. Qwen2.5-Coder-1.5B-Instruct's template differs from Qwen2.5's in one line of its tool
-    instructions (doubled braces around the example call) and its calls are the same `<tool_call>{json}</tool_call>`:
-    a template TRL does not know that asks for that format is parsed as Qwen2.5's; any other is refused.
+    TRL sets one for chat templates it knows by their exact text and refuses any other at start-up.
+    Qwen2.5-Coder-1.5B-Instruct's template differs from Qwen2.5's in one line of its tool instructions (doubled
+    braces around the example call) and its calls are the same `<tool_call>{json}</tool_call>`: a template TRL does
+    not know that asks for that format is parsed as Qwen2.5's; any other is refused, saying what to set.
     """
     from trl.chat_template_utils import add_response_schema, qwen3_template
 
@@ -130,15 +129,20 @@ def set_tool_call_parser(tokenizer, args, *, multi_turn: bool) -> None:
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", flags=re.DOTALL)
 
 
-def untagged_tool_calls(content: str) -> list[dict] | None:
-    """The calls in a turn that is nothing but a JSON tool call (or a list of them), bare or in one code fence:
-    `{"name": "run_python", "arguments": {"code": "print(1)"}}`; None for anything else."""
+def json_reply(content: str):
+    """The JSON value a turn consists of, bare or in one code fence; None if the turn is anything else."""
     text = content.strip()
     fenced = _FENCE.fullmatch(text)
     try:
-        value = json.loads(fenced.group(1) if fenced else text)
+        return json.loads(fenced.group(1) if fenced else text)
     except ValueError:
         return None
+
+
+def untagged_tool_calls(content: str) -> list[dict] | None:
+    """The calls in a turn that is nothing but a JSON tool call (or a list of them), bare or in one code fence:
+    `{"name": "run_python", "arguments": {"code": "print(1)"}}`; None for anything else."""
+    value = json_reply(content)
     calls = value if isinstance(value, list) else [value]
     if not calls or not all(isinstance(call, dict) and set(call) == {"name", "arguments"} and
                             isinstance(call["name"], str) and isinstance(call["arguments"], dict) for call in calls):
