@@ -7,9 +7,11 @@ session per episode) and its observation is appended as the chat template's tool
 a turn without a tool call, after `--max-tool-calls` calls (the recipe's `max_tool_calling_iterations`), or when a
 tool result would pass the completion budget (`--max-completion-length`, the recipe's; the result is dropped, as the
 trainer does). The model is served by vLLM's CPU build (`.venv-vllm`), with prefix caching: every prompt opens with
-the same tool schema. Greedy, and sampled at temperature 1 (no top-k, top-p or repetition penalty); the binomial
-standard error sqrt(p (1 - p) / n); tool calls per episode; the share of episodes that end with an answer (a turn
-without a tool call that is not cut by the budget). A LoRA adapter (`--adapter`) is merged into its base first.
+the same tool schema. Greedy, and sampled at temperature 1 (no top-k, top-p or repetition penalty). An episode is
+right when its last reply states the output, as its text or its JSON "return" field (`stated_output_reward`, GRPO's
+reward too: both models restate the call as JSON after it); `exact` counts replies that are the output alone. The
+binomial standard error sqrt(p (1 - p) / n); tool calls per episode; the share of episodes that end with an answer
+(a turn without a tool call that is not cut by the budget). A LoRA adapter (`--adapter`) is merged into it first.
 
     trl-opd serve-env --port 8765 &  export OPD_ENV_SERVER_URL=http://127.0.0.1:8765 OPD_MODELS_DIR=~/.cache/real-models
     .venv/bin/python benchmarks/code_agent.py evaluate Qwen/Qwen2.5-Coder-0.5B-Instruct --json results/student.json
@@ -95,17 +97,6 @@ def vllm_completer(url: str, model: str, stop_ids: list[int]):
     return complete
 
 
-def stated_in_json(messages: list[dict], solution: str) -> bool:
-    """Whether the last reply is a JSON object (bare or fenced) whose "return", "output" or "result" is the answer:
-    how the 1.5B states the output after a tool call. Reported beside the accuracy, never instead of it."""
-    from trl_opd.envs.code_output import answer_text
-    from trl_opd.multiturn import json_reply
-
-    value = json_reply(messages[-1].get("content") or "") if messages else None
-    stated = [value.get(key) for key in ("return", "output", "result")] if isinstance(value, dict) else []
-    return any(isinstance(item, str) and answer_text(item) == solution for item in stated)
-
-
 def binomial(correct: int, n: int) -> dict:
     p = correct / n
     return {"accuracy": p, "stderr": math.sqrt(p * (1 - p) / n), "correct": correct, "n": n}
@@ -115,7 +106,7 @@ def evaluate(model_dir: str, rows: list[dict], *, python: str, log: Path, max_co
              max_tool_calls: int, seed: int, workers: int, untagged_tool_calls: bool) -> dict:
     from transformers import AutoTokenizer, GenerationConfig
 
-    from trl_opd.envs.code_output import printed_output_reward
+    from trl_opd.envs.code_output import printed_output_reward, stated_output_reward
     from trl_opd.multiturn import set_tool_call_parser
     from trl_opd.testing import TeacherServerProcess
 
@@ -134,11 +125,10 @@ def evaluate(model_dir: str, rows: list[dict], *, python: str, log: Path, max_co
                               max_completion_length=max_completion_length, max_tool_calls=max_tool_calls)
             with ThreadPoolExecutor(workers) as pool:
                 episodes = list(pool.map(episode, rows, range(len(rows))))
-            scores = printed_output_reward([e["messages"] for e in episodes], [row["solution"] for row in rows])
+            replies, solutions = [e["messages"] for e in episodes], [row["solution"] for row in rows]
             report[mode] = {
-                **binomial(int(sum(scores)), len(rows)),
-                "stated_in_json": binomial(sum(stated_in_json(e["messages"], row["solution"])
-                                               for e, row in zip(episodes, rows, strict=True)), len(rows)),
+                **binomial(int(sum(stated_output_reward(replies, solutions))), len(rows)),
+                "exact": binomial(int(sum(printed_output_reward(replies, solutions))), len(rows)),
                 "tool_calls_per_episode": sum(e["tool_calls"] for e in episodes) / len(rows),
                 "episodes_with_a_tool_call": sum(e["tool_calls"] > 0 for e in episodes) / len(rows),
                 "episodes_ending_with_an_answer": sum(e["answered"] for e in episodes) / len(rows),
@@ -148,7 +138,7 @@ def evaluate(model_dir: str, rows: list[dict], *, python: str, log: Path, max_co
             print(f"{mode}: {report[mode]['accuracy']:.1%} +- {report[mode]['stderr']:.1%}, "
                   f"{report[mode]['tool_calls_per_episode']:.2f} tool calls per episode, "
                   f"{report[mode]['episodes_ending_with_an_answer']:.0%} end with an answer, "
-                  f"{report[mode]['stated_in_json']['accuracy']:.0%} state it in JSON "
+                  f"{report[mode]['exact']['accuracy']:.0%} reply with the output alone "
                   f"({report[mode]['seconds']} s)", flush=True)
     return report
 
@@ -195,7 +185,7 @@ def grpo_main(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_opd.envs.code_env import CodeToolClient
-    from trl_opd.envs.code_output import printed_output_reward
+    from trl_opd.envs.code_output import stated_output_reward
     from trl_opd.models_dir import resolve_model
     from trl_opd.multiturn import set_tool_call_parser
 
@@ -207,7 +197,7 @@ def grpo_main(args) -> None:
     set_tool_call_parser(tokenizer, SimpleNamespace(untagged_tool_calls=recipe.get("untagged_tool_calls", False)),
                          multi_turn=True)
     trainer = GRPOTrainer(
-        model=model, processing_class=tokenizer, reward_funcs=printed_output_reward,
+        model=model, processing_class=tokenizer, reward_funcs=stated_output_reward,
         train_dataset=load_dataset("json", data_files=recipe["dataset_name"], split="train"),
         environment_factory=CodeToolClient,
         peft_config=LoraConfig(r=recipe["lora_r"], lora_alpha=recipe["lora_alpha"],

@@ -130,6 +130,22 @@ def test_code_task_answers_are_what_python_prints_and_no_heldout_program_is_trai
                                  [answer] * len(completions)) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 
 
+
+def test_the_agent_grade_reads_the_reply_or_its_json_answer_field_and_nothing_else():
+    # what Qwen2.5-Coder 1.5B replies after a run_python call (benchmarks/results/code_agent_teacher.json)
+    from trl_opd.envs.code_output import printed_output_reward, stated_output_reward
+
+    restated = '```json\n{"name": "run_python", "arguments": {"code": "print(len(\'banana\'))"}, "return": "%s"}\n```'
+    replies = ["6", "`6`", restated % "6\\n", '{"output": "6"}', '{"result": 6}', '{"return": "7"}',
+               '{"name": "run_python", "arguments": {"code": "print(6)"}}', '{"answer": "6"}', '{"result": true}',
+               "The output is 6.", '["6"]', ""]
+    completions = [[{"role": "assistant", "content": reply}] for reply in replies]
+    assert stated_output_reward(completions, ["6"] * len(replies)) == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert printed_output_reward(completions, ["6"] * len(replies)) == [1, 1] + [0] * 10  # the strict grade
+    # an unanswered tool call (content "" and tool_calls) states nothing
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    assert stated_output_reward([[call]], ["6"]) == [0.0]
+
 @needs_real_models
 def test_tool_calls_of_both_qwen_templates_are_parsed_and_untagged_ones_on_request():
     # TRL knows Qwen2.5's template by its text and the 1.5B's differs in one line, so its tool loop would parse no

@@ -80,6 +80,33 @@ def printed_output_reward(completions: list, solution: list[str], **kwargs) -> l
     return scores
 
 
+# the fields in which Qwen2.5-Coder states a tool's output when it replies in JSON after the call
+ANSWER_FIELDS = ("return", "output", "result")
+
+
+def stated_answers(completion: str) -> list[str]:
+    """The answers a reply states: the reply itself (`answer_text`) and, where it is a JSON object (bare or in one
+    code fence), its `ANSWER_FIELDS`. After a `run_python` call, Qwen2.5-Coder 0.5B and 1.5B restate the call as
+    JSON with the tool's output in a "return" field instead of replying with the output alone."""
+    from trl_opd.multiturn import json_reply
+
+    value = json_reply(completion)
+    fields = [value.get(key) for key in ANSWER_FIELDS] if isinstance(value, dict) else []
+    return [answer_text(completion)] + [answer_text(str(field)) for field in fields
+                                        if isinstance(field, str | int | float) and not isinstance(field, bool)]
+
+
+def stated_output_reward(completions: list, solution: list[str], **kwargs) -> list[float]:
+    """1.0 where the last reply states what the program prints, as its text or a JSON answer field
+    (`stated_answers`), else 0.0: the tool agent's reward and accuracy, for GRPO and OPD alike
+    (`accuracy_func: trl_opd.envs.code_output.stated_output_reward`). `printed_output_reward` is the strict grade."""
+    scores = []
+    for completion, expected in zip(completions, solution, strict=True):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        scores.append(float(expected in stated_answers(text or "")))
+    return scores
+
+
 def run_program(source: str) -> str:
     """What `source` prints (one line, stripped)."""
     out = io.StringIO()
