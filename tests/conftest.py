@@ -101,11 +101,29 @@ def teacher_server_process(tiny, tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def hidden_server_process(tiny, tmp_path_factory):
+    """A second server of the tiny teacher, `serve-teacher --hidden-states`: it returns final hidden states."""
+    from pathlib import Path
+
+    from trl_opd.testing import TeacherServerProcess
+
+    python = os.environ.get("OPD_VLLM_PYTHON", str(Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"))
+    server = TeacherServerProcess(tiny / "teacher", tmp_path_factory.mktemp("vllm_hidden") / "server.log", python,
+                                  extra=("--hidden-states",))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _boot_teacher_server_early(request):
-    """The server takes a minute to start: launch it with the session, so it boots while other tests run."""
-    if any(SERVER_FIXTURE in getattr(item, "fixturenames", ()) for item in request.session.items):
-        request.getfixturevalue("teacher_server_process")
+    """The servers take a minute to start: launch them with the session, so they boot while other tests run."""
+    for fixture, process in ((SERVER_FIXTURE, "teacher_server_process"), ("hidden_server", "hidden_server_process")):
+        if any(fixture in getattr(item, "fixturenames", ()) for item in request.session.items):
+            request.getfixturevalue(process)
 
 
 @pytest.fixture
@@ -116,6 +134,16 @@ def teacher_server(teacher_server_process):
     except RuntimeError as error:
         pytest.fail(str(error))
     return teacher_server_process.url
+
+
+@pytest.fixture
+def hidden_server(hidden_server_process):
+    """The URL of a ready vLLM server returning the tiny teacher's hidden states."""
+    try:
+        hidden_server_process.wait_ready()
+    except RuntimeError as error:
+        pytest.fail(str(error))
+    return hidden_server_process.url
 
 
 @pytest.fixture(scope="session")

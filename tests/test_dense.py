@@ -212,9 +212,10 @@ def test_local_teacher_topk_is_the_top_of_its_logits(tiny, tokenizer):
     assert scores.hidden is None  # kept only for the full estimator
 
 
-def test_full_estimator_needs_a_local_teacher(make_config):
+def test_full_estimator_needs_a_teacher_with_hidden_states(make_config):
+    # a served one is checked at connection (tests/test_served_hidden.py)
     with pytest.raises(ValueError, match="opd_estimator='full' needs the teacher's hidden states"):
-        make_config(opd_estimator="full", teacher_server_url="http://127.0.0.1:9")
+        make_config(opd_estimator="full", ref_as_teacher=True)
     with pytest.raises(ValueError, match="opd_estimator='topk' needs one teacher model"):
         make_config(opd_estimator="topk", ref_as_teacher=True)
     with pytest.raises(ValueError, match="opd_topk must be at least 1"):
@@ -254,9 +255,8 @@ def test_short_benchmark_every_estimator_trains_and_full_lowers_heldout_kl_at_le
 
 
 def test_the_default_estimator_is_the_best_one_the_teacher_source_supports(make_config):
-    sources = {
+    sources = {  # a served teacher's default depends on its server (tests/test_served_hidden.py)
         "full": {"teacher_model_name_or_path": "a/teacher"},
-        "topk": {"teacher_server_url": "http://127.0.0.1:9"},
         "sampled": {"ref_as_teacher": True},
     }
     for expected, source in sources.items():
@@ -265,8 +265,8 @@ def test_the_default_estimator_is_the_best_one_the_teacher_source_supports(make_
         assert args.opd_estimator == expected
         assert args.opd_coef == (1.0 if expected == "sampled" else 0.0)  # a dense term alone, unless asked for more
     args = make_config(opd_estimator=None, opd_coef=0.5)
-    args.resolve_estimator(teacher_model="http://127.0.0.1:9")  # a served teacher given to the trainer
-    assert (args.opd_estimator, args.opd_coef) == ("topk", 0.5)
+    args.resolve_estimator(teacher_model="a/teacher")  # a teacher given to the trainer
+    assert (args.opd_estimator, args.opd_coef) == ("full", 0.5)
 
 
 def test_a_dense_term_alone_needs_no_extra_student_forward_and_logs_the_same_metrics(tiny, prompts, make_config):
@@ -391,15 +391,6 @@ def test_soft_capped_models_are_distilled_on_their_own_distributions(tokenizer, 
     assert first[name] == pytest.approx(kl[mask].mean().item(), rel=1e-4)
     (old, grpo, valid), = logps
     torch.testing.assert_close(old[valid], grpo[valid], atol=1e-4, rtol=1e-4)  # soft cap included
-
-
-def test_a_teacher_model_given_as_a_url_with_the_full_estimator_is_refused(tiny, prompts, make_config):
-    # every way of naming a teacher resolves to one source before the estimator checks (old main: a run with loss 0)
-    with pytest.raises(ValueError, match="opd_estimator='full' needs the teacher's hidden states(.|\n)*'topk' works"):
-        OPDTrainer(model=str(tiny / "student"), teacher_model="http://127.0.0.1:9", train_dataset=prompts,
-                   args=make_config(opd_estimator="full"))
-    with pytest.raises(ValueError, match="opd_estimator='full' needs the teacher's hidden states"):
-        make_config(opd_estimator="full", teacher_model_name_or_path="http://127.0.0.1:9")
 
 
 @pytest.mark.parametrize("estimator", ["sampled", "full"])

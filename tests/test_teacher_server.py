@@ -16,19 +16,7 @@ from trl_opd.serve import ROUTE_DIR, server_env, vllm_command
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
 from trl_opd.teachers.vllm_server import TeacherServerError, VLLMServerTeacher
-from trl_opd.testing import LoopbackHTTPServer, free_port
-
-
-def _padded_batch(seed=0):
-    """Five sequences: a left-padded prompt, a short completion, and a fully masked (truncated) completion."""
-    g = torch.Generator().manual_seed(seed)
-    prompt_ids, completion_ids = torch.randint(3, 480, (5, 6), generator=g), torch.randint(3, 480, (5, 7), generator=g)
-    prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
-    prompt_mask[0, :2] = 0
-    completion_mask[1, 4:] = 0
-    completion_mask[2, :] = 0
-    return prompt_ids, prompt_mask, completion_ids, completion_mask
-
+from trl_opd.testing import LoopbackHTTPServer, free_port, padded_batch
 
 # ------------------------------------------------------------------------------------------------ real server
 
@@ -36,7 +24,7 @@ def _padded_batch(seed=0):
 def test_served_scores_equal_the_local_teacher(teacher_server, tiny, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    batch = _padded_batch()
+    batch = padded_batch()
     served = VLLMServerTeacher([teacher_server, teacher_server], batch_size=2)  # 2 URLs: the batch is spread
     served.connect(tokenizer, student_name="tiny student")
     local = LocalTeacher(freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher")), batch_size=8)
@@ -53,7 +41,7 @@ def test_served_scores_equal_the_local_teacher(teacher_server, tiny, tokenizer):
 def test_served_topk_equals_the_local_teachers_and_trains(teacher_server, tiny, tokenizer, prompts, make_config):
     from transformers import AutoModelForCausalLM
 
-    batch = _padded_batch()
+    batch = padded_batch()
     served = VLLMServerTeacher(teacher_server, batch_size=2, topk=5)
     served.connect(tokenizer, student_name="tiny student")
     local = LocalTeacher(freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher")), batch_size=8, topk=5)
@@ -76,7 +64,7 @@ def test_served_topk_equals_the_local_teachers_and_trains(teacher_server, tiny, 
 
 @pytest.mark.parametrize("topk", [0, 5])
 def test_the_compact_endpoint_scores_exactly_as_the_stock_one(teacher_server, tokenizer, topk):
-    batch = _padded_batch()
+    batch = padded_batch()
     served = VLLMServerTeacher(teacher_server, batch_size=2, topk=topk)
     served.connect(tokenizer, student_name="tiny student")
     assert served.compact == {teacher_server: True}  # `trl-opd serve-teacher` adds /opd/score
@@ -213,7 +201,7 @@ def test_rows_routed_to_a_served_and_a_local_teacher(teacher_server, tiny, make_
     teachers = {"local": str(tiny / "teacher"), "served": teacher_server}
     trainer = OPDTrainer(model=str(tiny / "student"), args=make_config(max_steps=1, teachers=teachers),
                          train_dataset=dataset)
-    batch = _padded_batch()
+    batch = padded_batch()
     routes = ["local", "served", "local", "served", "served"]
     routed = trainer.teacher.score(*batch, routes=routes)
     local = trainer.teacher.scorers["local"].score(*batch)

@@ -51,7 +51,7 @@ class OPDConfig(GRPOConfig):
         metadata={
             "help": "Path or Hub id of the frozen teacher. Used when the trainer is not given a `teacher_model`. The "
             "teacher must share the student's tokenizer (checked at start-up), unless teacher_tokenizer_mode is "
-            "'cross'."
+            "'cross'. Beside teacher_server_url, the served teacher's checkpoint, of which only the head is read."
         },
     )
     teacher_tokenizer_mode: str = field(
@@ -122,11 +122,11 @@ class OPDConfig(GRPOConfig):
             "sampled token in the policy objective. 'topk': a dense loss term (weight opd_dense_coef) at every "
             "completion position, the reverse KL over the teacher's opd_topk most likely tokens and one bucket for "
             "the rest (local or served teacher). 'full': the dense term is the exact reverse KL over the whole "
-            "vocabulary (one local teacher). Dense terms are computed in tiles; with opd_coef > 0 the sampled term is "
-            "added to them. Default: the best one the teacher source supports, as measured (docs/estimators.md): "
-            "'full' for one local teacher and for the student as its own (student_as_teacher; 'topk' where its "
-            "weights move between scoring and the loss), 'topk' for a served one, 'sampled' otherwise (reference and "
-            "routed teachers).",
+            "vocabulary (one local teacher, or a served one that returns hidden states). Dense terms are computed in "
+            "tiles; with opd_coef > 0 the sampled term is added to them. Default: the best one the teacher source "
+            "supports, as measured (docs/estimators.md): 'full' for one local teacher, a served one with hidden states "
+            "(`serve-teacher --hidden-states`) and the student as its own (student_as_teacher; 'topk' where its "
+            "weights move between scoring and the loss), 'topk' for another served one, 'sampled' otherwise.",
             "choices": list(OPD_ESTIMATORS),
         },
     )
@@ -359,7 +359,7 @@ class OPDConfig(GRPOConfig):
     def resolve_estimator(self, teacher_model=None) -> None:
         """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known, and
         refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""
-        resolve_estimator(self, self.teacher_source(teacher_model))
+        resolve_estimator(self, self.teacher_source(teacher_model), served=teacher_model)
 
     def __getstate__(self) -> dict:
         """What pickling keeps, e.g. `training_args.bin` in the output directory and every checkpoint: no Hub token,

@@ -7,6 +7,7 @@ set instead.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import TYPE_CHECKING
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 from .prompts import template_columns
 from .secrets import has_credentials, masked
 from .teachers.vllm_server import check_server_address, is_served
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .config import OPDConfig
@@ -126,6 +129,8 @@ def _check_teacher_options(args: OPDConfig) -> None:
         "teachers": args.teachers,
     }
     chosen = [name for name, value in sources.items() if value]
+    if chosen == ["teacher_model_name_or_path", "teacher_server_url"]:
+        chosen = ["teacher_server_url"]  # the served teacher's checkpoint, for its head (`teachers.served_hidden`)
     if len(chosen) > 1:
         raise ValueError(f"Choose one teacher source, not {' and '.join(chosen)}.")
     if args.teacher_adapter_name_or_path and chosen and chosen != ["teacher_model_name_or_path"]:
@@ -170,9 +175,10 @@ def _check_self_teacher(args: OPDConfig) -> None:
         )
 
 
-def resolve_estimator(args: OPDConfig, source: str | None) -> None:
+def resolve_estimator(args: OPDConfig, source: str | None, served=None) -> None:
     """`opd_estimator`, `opd_coef`, `opd_dense_coef` and `opd_topk` filled in for the teacher `source`, and an
-    estimator that source cannot provide refused."""
+    estimator that source cannot provide refused. A served teacher's default depends on what its servers give
+    (asked of them): `served`, the server URLs given to the trainer, or the configured ones."""
     _check_tokenizer_mode(args, source)
     _check_overlap(args, source)
     if args.opd_estimator is None and args.teacher_tokenizer_mode == "cross":
@@ -184,7 +190,12 @@ def resolve_estimator(args: OPDConfig, source: str | None) -> None:
         elif source == "self":
             args.opd_estimator = "topk"  # 'full' would read the moving head at the loss (see _check_self_teacher)
         elif source == "served":
-            args.opd_estimator = "topk"
+            from .teachers.served_hidden import serves_hidden_states
+
+            args.opd_estimator = "full" if serves_hidden_states(args, served if is_served(served) else None) else "topk"
+            logger.warning("opd_estimator: %r, the best the teacher server gives (%s).", args.opd_estimator,
+                           "its hidden states, projected by its head here" if args.opd_estimator == "full" else
+                           "log-probs, no hidden states: `trl-opd serve-teacher MODEL --hidden-states` gives 'full'")
         else:
             args.opd_estimator = "sampled"
     _check_estimator_source(args.opd_estimator, source)
@@ -209,7 +220,7 @@ def resolve_estimator(args: OPDConfig, source: str | None) -> None:
 
 # The teacher sources that can provide each dense estimator's teacher side
 _ESTIMATOR_SOURCES = {
-    "full": ("local", "self"),  # the teacher's final hidden states, kept from its scoring pass
+    "full": ("local", "served", "self"),  # the teacher's final hidden states (a served one: `--hidden-states`)
     "topk": ("local", "served", "self"),  # the teacher's top-k tokens and log-probs at every position
 }
 
@@ -221,10 +232,9 @@ def _check_estimator_source(estimator: str | None, source: str | None) -> None:
              "routed": "routed teachers (teachers)"}[source]
     if estimator == "full":
         raise ValueError(
-            f"opd_estimator='full' needs the teacher's hidden states, which only one local teacher model provides "
-            f"(teacher_model_name_or_path, or a model or path as teacher_model), not {named}. "
-            + ("opd_estimator='topk' works with a served teacher." if source == "served"
-               else "Use opd_estimator='sampled'.")
+            f"opd_estimator='full' needs the teacher's hidden states, which one local teacher model or one server "
+            f"started with `trl-opd serve-teacher MODEL --hidden-states` provides, not {named}. Use "
+            "opd_estimator='sampled'."
         )
     raise ValueError(
         f"opd_estimator='topk' needs one teacher model, local or served, not {named}. Use opd_estimator='sampled'."

@@ -10,6 +10,11 @@ of N tokens materialises N x vocabulary float32 logits and their log-softmax (2 
 tokens of a 152k vocabulary). So the server prefills at most `--max-num-batched-tokens` (default 2048) tokens at a
 time and takes `--gpu-memory-utilization` 0.8 of the GPU (vLLM's own default is 0.9), which leaves room for that.
 
+Hidden states (`--hidden-states`): vLLM serves the teacher as a pooling model that returns the final hidden states
+at the scored positions (`/opd/hidden`), and the trainer projects them through the teacher's head, held locally
+(`teachers/served_hidden.py`): exact logits, so the `full` estimator, for hidden size x 2 bytes per token in bf16
+instead of a vocabulary of float32 log-probs. Such a server gives no log-probs itself and cannot generate.
+
 Address: the server listens on 127.0.0.1 unless told otherwise. For a trainer on another node, pass `--host 0.0.0.0`
 (or this node's address) and put this node's address in `teacher_server_url`; use `--api-key` on a shared network.
 """
@@ -28,6 +33,11 @@ SCORING_ROUTE = "opd_scoring_route.opd_scoring"
 # The prefill chunk (tokens) and GPU share set for scoring, see the module docstring
 SCORING_BATCHED_TOKENS = 2048
 SCORING_GPU_MEMORY_UTILIZATION = 0.8
+# The causal LM as a pooling model that returns every position's final hidden state (after the final norm, the
+# head's input) as it is: token embedding, all positions, no normalisation. No prefix caching: a cached position
+# would not be pooled.
+HIDDEN_STATE_FLAGS = ("--runner", "pooling", "--convert", "embed",
+                      "--pooler-config", '{"tok_pooling_type": "ALL", "use_activation": false}')
 
 
 def server_env(environ: dict) -> dict:
@@ -38,13 +48,15 @@ def server_env(environ: dict) -> dict:
 
 def vllm_command(model: str, *, python: str, host: str, port: int, max_logprobs: int, extra: list[str],
                  max_num_batched_tokens: int = SCORING_BATCHED_TOKENS,
-                 gpu_memory_utilization: float = SCORING_GPU_MEMORY_UTILIZATION) -> list[str]:
-    """The server command line: vLLM's OpenAI-compatible API server with the flags teacher scoring needs."""
+                 gpu_memory_utilization: float = SCORING_GPU_MEMORY_UTILIZATION,
+                 hidden_states: bool = False) -> list[str]:
+    """The server command line: vLLM's OpenAI-compatible API server with the flags teacher scoring needs. With
+    `hidden_states`, a pooling server that returns the final hidden states instead (`HIDDEN_STATE_FLAGS`)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host, "--port",
                str(port), "--max-logprobs", str(max_logprobs), "--no-enable-prefix-caching",
                "--logprobs-mode", "raw_logprobs", "--middleware", SCORING_ROUTE,
                "--max-num-batched-tokens", str(max_num_batched_tokens),
-               "--gpu-memory-utilization", str(gpu_memory_utilization)]
+               "--gpu-memory-utilization", str(gpu_memory_utilization), *(HIDDEN_STATE_FLAGS if hidden_states else ())]
     given = {arg.split("=")[0] for arg in extra if arg.startswith("--")}
     for flag in ("--host", "--port", "--max-logprobs", "--logprobs-mode", "--max-num-batched-tokens",
                  "--gpu-memory-utilization"):
@@ -79,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
                              "outside vLLM's memory profile")
     parser.add_argument("--gpu-memory-utilization", type=float, default=SCORING_GPU_MEMORY_UTILIZATION,
                         help="share of the GPU vLLM takes (weights and KV cache), leaving the rest for the log-probs")
+    parser.add_argument("--hidden-states", action="store_true",
+                        help="return the teacher's final hidden states instead of log-probs (vLLM 0.31+): the trainer "
+                             "projects them through the teacher's head, held locally, for the exact 'full' estimator "
+                             "at a fraction of the logits' bytes")
     parser.add_argument("--python", default=sys.executable,
                         help="interpreter with vllm installed (vllm often lives in its own virtualenv)")
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
@@ -98,11 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     command = vllm_command(args.model, python=args.python, host=args.host, port=args.port,
                            max_logprobs=args.max_logprobs, extra=extra,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           gpu_memory_utilization=args.gpu_memory_utilization)
+                           gpu_memory_utilization=args.gpu_memory_utilization, hidden_states=args.hidden_states)
     everywhere = args.host in ("0.0.0.0", "::")
     host = socket.gethostname() if everywhere else args.host
     print(" ".join(command))
-    print(f"Compact scoring endpoint /opd/score from {route}")
+    print(f"Compact scoring endpoint {'/opd/hidden' if args.hidden_states else '/opd/score'} from {route}")
     print(f"Teacher will serve at http://{host}:{args.port} once /health answers "
           f"({'from other nodes too' if everywhere else 'from this machine only; --host 0.0.0.0 for other nodes'})."
           f" In a recipe:\n  teacher_server_url: http://{host}:{args.port}", flush=True)

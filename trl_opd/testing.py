@@ -166,6 +166,10 @@ class TeacherServerProcess:
                 raise RuntimeError(f"The vLLM server was not healthy after {timeout} s:\n{tail}")
             time.sleep(2)
         model = requests.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        if "--hidden-states" in self.extra:  # a pooling server: it cannot generate
+            warm_up = {"sequences": [[1, 2, 3]], "score_from": [1]}
+            requests.post(self.url + "/opd/hidden", json=warm_up, timeout=300).raise_for_status()
+            return
         warm_up = {"model": model, "prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 0}
         requests.post(self.url + "/v1/completions", json=warm_up, timeout=300).raise_for_status()
 
@@ -181,11 +185,25 @@ class TeacherServerProcess:
 MAX_LOOPBACK_BODY = 64 * 2**20  # bytes: a loopback test server refuses larger requests
 
 
+def padded_batch(seed: int = 0):
+    """A scoring batch for the tiny pair (ids in [3, 480)): five sequences of a 6-token prompt and a 7-token
+    completion, with a left-padded prompt, a short completion, and a fully masked (truncated) completion."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids, completion_ids = torch.randint(3, 480, (5, 6), generator=g), torch.randint(3, 480, (5, 7), generator=g)
+    prompt_mask, completion_mask = torch.ones_like(prompt_ids), torch.ones_like(completion_ids)
+    prompt_mask[0, :2] = 0
+    completion_mask[1, 4:] = 0
+    completion_mask[2, :] = 0
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
 class LoopbackHTTPServer:
     """An HTTP server on 127.0.0.1 for injecting server faults in tests. Every request is recorded in `requests` as
     (path, headers, body parsed as JSON where it is JSON) and answered by `respond(path, headers, body)`, which
-    returns (status, answer): bytes are sent as they are, anything else as JSON. `port` 0 takes a free one. Close it,
-    or use it as a context manager."""
+    returns (status, answer) or (status, answer, headers to add): bytes are sent as they are, anything else as
+    JSON. `port` 0 takes a free one. Close it, or use it as a context manager."""
 
     def __init__(self, respond, *, record: bool = True, port: int = 0):
         import threading
@@ -207,11 +225,13 @@ class LoopbackHTTPServer:
                     body = raw
                 if record:
                     server.requests.append((self.path, dict(self.headers), body))
-                status, answer = respond(self.path, self.headers, body)  # headers: case-insensitive
+                status, answer, *extra = respond(self.path, self.headers, body)  # headers: case-insensitive
                 data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
                 self.send_response(status)
                 if not isinstance(answer, bytes):
                     self.send_header("Content-Type", "application/json")
+                for name, value in (extra[0] if extra else {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

@@ -12,6 +12,9 @@ from trl.trainer.utils import create_model_from_path, get_config_model_id
 
 from ..alignment import ByteVocabulary
 from ..checks import check_tokenizers_compatible, check_vocab_sizes
+from ..models_dir import resolve_model
+from ..secrets import mask_urls
+from .served_hidden import HiddenStateTeacher, load_teacher_head, server_infos, serves_hidden_states
 from .vllm_server import VLLMServerTeacher, is_served
 
 
@@ -33,12 +36,8 @@ def load_local_teacher(teacher, args, *, student, student_name: str, student_tok
             teacher_name=teacher_name,
         )
 
-        def vocab_size(m) -> int:
-            config = AutoConfig.from_pretrained(m, trust_remote_code=remote) if isinstance(m, str) else m.config
-            return config.get_text_config().vocab_size
-
         check_vocab_sizes(
-            student_vocab_size=vocab_size(student), teacher_vocab_size=vocab_size(teacher),
+            student_vocab_size=_vocab_size(student, args), teacher_vocab_size=_vocab_size(teacher, args),
             student_name=student_name, teacher_name=teacher_name,
         )
     adapter = args.teacher_adapter_name_or_path
@@ -124,17 +123,28 @@ def _served_topk(args) -> int:
     return 0
 
 
-def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str,
-                           teacher_tokenizer=None) -> VLLMServerTeacher:
+def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str, teacher_tokenizer=None,
+                           student=None) -> VLLMServerTeacher:
     """A client for the teacher servers at `urls`, checked for health and tokenizer agreement: with the student's
-    tokenizer, or with `teacher_tokenizer` (a cross-tokenizer teacher)."""
-    if args.teacher_temperature != 1.0:
+    tokenizer, or with `teacher_tokenizer` (a cross-tokenizer teacher). Servers that return hidden states get a
+    `HiddenStateTeacher` with the teacher's head (`served_hidden`); `student` (path or model) sizes its vocabulary."""
+    hidden = serves_hidden_states(args, urls)
+    if not hidden and args.opd_estimator == "full":
         raise ValueError(
-            "teacher_temperature applies to local teachers only: a vLLM server returns raw log-probs and cannot "
-            "renormalise them at another temperature. Serve the teacher locally, or keep teacher_temperature at 1."
+            f"opd_estimator='full' with a served teacher needs its final hidden states, and {mask_urls(str(urls))} "
+            "gives log-probs only: start it with `trl-opd serve-teacher MODEL --hidden-states`, or use "
+            "opd_estimator: topk."
         )
-    teacher = VLLMServerTeacher.from_env(
-        urls,
+    if hidden and teacher_tokenizer is not None:
+        raise ValueError("teacher_tokenizer_mode 'cross' reads a served teacher's log-probs: start its server "
+                         "without --hidden-states.")
+    if not hidden and args.teacher_temperature != 1.0:
+        raise ValueError(
+            "teacher_temperature applies to a teacher whose head is here (local, or served with --hidden-states): a "
+            "vLLM log-prob server returns raw log-probs and cannot renormalise them at another temperature. Serve "
+            "the teacher locally or with --hidden-states, or keep teacher_temperature at 1."
+        )
+    client = dict(
         api_key_env=args.teacher_server_api_key_env,
         batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
         timeout=(10.0, args.teacher_server_timeout),
@@ -142,11 +152,36 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str,
         topk=_served_topk(args),
         startup_timeout=args.teacher_server_startup_timeout,
     )
+    if hidden:
+        teacher = HiddenStateTeacher.from_env(urls, **client, **_served_head(urls, args, student, student_name))
+    else:
+        teacher = VLLMServerTeacher.from_env(urls, **client)
     if teacher_tokenizer is not None:
         teacher.connect(teacher_tokenizer, student_name=teacher_tokenizer.name_or_path, cross_tokenizer=True)
     else:
         teacher.connect(student_tokenizer, student_name=student_name)
     return teacher
+
+
+def _served_head(urls, args, student, student_name: str) -> dict:
+    """`HiddenStateTeacher`'s head and options: the head read from teacher_model_name_or_path (else the served model's
+    own name, when it is a path or Hub id readable here), in the teacher's dtype as a local one would load."""
+    name = resolve_model(args.teacher_model_name_or_path or next(iter(server_infos(urls, args).values()))["model"])
+    dtype = (args.teacher_model_init_kwargs or {}).get("dtype") or (
+        student.dtype if isinstance(student, torch.nn.Module) else (args.model_init_kwargs or {}).get("dtype"))
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+    head = load_teacher_head(name, dtype=None if dtype == "auto" else dtype, device=args.device,
+                             temperature=args.teacher_temperature, trust_remote_code=args.trust_remote_code)
+    vocab_size = _vocab_size(student, args)
+    check_vocab_sizes(student_vocab_size=vocab_size, teacher_vocab_size=head.vocab_size, student_name=student_name,
+                      teacher_name=name)
+    return {"head": head, "return_hidden": args.opd_estimator == "full", "student_vocab_size": vocab_size}
+
+
+def _vocab_size(model, args) -> int:
+    config = (AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code) if isinstance(model, str)
+              else model.config)
+    return config.get_text_config().vocab_size
 
 
 def teacher_sources(teacher_model, args) -> dict:
@@ -171,7 +206,7 @@ def load_teachers(model, teacher_model, args, *, student_name, student_tokenizer
         if is_served(source):
             sources[name] = connect_served_teacher(
                 source, args, student_tokenizer=student_tokenizer, student_name=student_name,
-                teacher_tokenizer=tokenizer if cross else None,
+                teacher_tokenizer=tokenizer if cross else None, student=model,
             )
         else:
             sources[name] = load_local_teacher(

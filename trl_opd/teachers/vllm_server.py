@@ -106,6 +106,7 @@ class VLLMServerTeacher:
         # url -> whether it has `trl-opd serve-teacher`'s compact scoring endpoint (`/opd/score`), filled by `connect`
         self.compact: dict[str, bool] = {}
         self.max_model_lens: dict[str, int] = {}  # url -> the server's --max-model-len, where `connect` could read it
+        self.info: dict[str, dict] = {}  # url -> its /opd/info answer (a `trl-opd serve-teacher` server), by `connect`
 
     @classmethod
     def from_env(cls, urls, *, api_key_env: str | None, **kwargs) -> VLLMServerTeacher:
@@ -113,7 +114,8 @@ class VLLMServerTeacher:
 
     # ------------------------------------------------------------------ HTTP
 
-    def _request(self, method: str, url: str, path: str, payload: dict | None = None) -> dict:
+    def _request(self, method: str, url: str, path: str, payload: dict | None = None, *, raw: bool = False):
+        """The JSON object `url` answers (with `raw`, the response itself), retried as the class says."""
         last = "no attempt"
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -130,6 +132,8 @@ class VLLMServerTeacher:
                 raise TeacherServerError(
                     f"Teacher server {url} refused {method} {path}: HTTP {response.status_code}: {response.text[:300]}"
                 )
+            if raw:
+                return response
             if not response.content:
                 return {}
             try:
@@ -199,6 +203,7 @@ class VLLMServerTeacher:
                         f"{token!r} as id {tokenizer.convert_tokens_to_ids(token)} (it reads {ids})."
                     )
             self.compact[url] = self._has_compact_endpoint(url)
+            self._check_scoring_kind(url)
             try:
                 self._score_chunk(url, [expected[:1]], [expected[1:]], first_index=0)
             except TeacherServerError as error:
@@ -245,7 +250,17 @@ class VLLMServerTeacher:
             if "HTTP 404" in str(error):
                 return False
             raise
+        self.info[url] = answer
         return answer.get("version") == 1
+
+    def _check_scoring_kind(self, url: str) -> None:
+        """A server that returns hidden states (`serve-teacher --hidden-states`) gives no log-probs itself."""
+        if self.info.get(url, {}).get("hidden_states"):
+            raise TeacherServerError(
+                f"Teacher server {url} returns the teacher's hidden states (started with --hidden-states), not "
+                "log-probs: score through it with its head (`HiddenStateTeacher`, which the trainer chooses for such "
+                "a server), or start it without --hidden-states."
+            )
 
     def _score_chunk(self, url: str, prompts: list[list[int]], completions: list[list[int]], first_index: int):
         """Per sequence: the teacher's log-prob of each completion token (n,), whether it is the argmax (n,) or None
@@ -311,12 +326,12 @@ class VLLMServerTeacher:
             "prompt plus max_completion_length, plus one), or lower max_completion_length or shorten the prompts."
         )
 
-    def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> TeacherScores:
-        rows, num_completion = completion_ids.shape
+    def _submit(self, score_chunk, prompt_ids, prompt_mask, completion_ids, completion_mask) -> list:
+        """`score_chunk(url, prompts, completions, first_index)` on chunks of `batch_size` sequences, spread across
+        the servers and run concurrently: (row indices, future) per chunk. Fully masked rows are not sent."""
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
         completions = [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask, strict=True)]
-        scored = [i for i in range(rows) if completions[i]]  # a fully masked completion has nothing to score
-
+        scored = [i for i in range(len(completions)) if completions[i]]  # nothing to score in an empty completion
         chunks = []
         for chunk_number, start in enumerate(range(0, len(scored), self.batch_size)):
             indices = scored[start : start + self.batch_size]
@@ -325,10 +340,13 @@ class VLLMServerTeacher:
                 self._check_fits(url, len(prompts[i]), len(completions[i]), index=i)
             chunks.append((indices, url))
         # sent only once every sequence is known to fit: a refused one would fail its whole chunk with a vLLM message
-        futures = [(indices, self._pool.submit(self._score_chunk, url, [prompts[i] for i in indices],
-                                               [completions[i] for i in indices], indices[0]))
-                   for indices, url in chunks]
+        return [(indices, self._pool.submit(score_chunk, url, [prompts[i] for i in indices],
+                                            [completions[i] for i in indices], indices[0]))
+                for indices, url in chunks]
 
+    def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> TeacherScores:
+        rows, num_completion = completion_ids.shape
+        futures = self._submit(self._score_chunk, prompt_ids, prompt_mask, completion_ids, completion_mask)
         logps = torch.zeros(rows, num_completion)
         is_top1 = torch.zeros(rows, num_completion, dtype=torch.bool)
         topk_ids = torch.zeros(rows, num_completion, self.topk, dtype=torch.long)
