@@ -165,6 +165,14 @@ def test_overlapped_served_scoring_under_zero3_trains_like_one_process(teacher_s
     assert [entry["opd/staleness"] for entry in sharded] == [0.0, 1.0, 1.0]
 
 
+def test_a_hidden_state_server_under_zero3_trains_full_like_one_process(hidden_server, tiny, tmp_path):
+    # the teacher's head, read from the served model's checkpoint, is whole on each rank; scoring overlapped
+    two, one = _train_both_ways(lambda out: _args(tiny, out, "--use_peft", "true", "--opd_overlap_scoring", "true",
+                                                  teacher=hidden_server), tmp_path)
+    sharded = _assert_same_training(two, one, dense_metric="opd/reverse_kl_dense")  # full: that server's default
+    assert [entry["opd/staleness"] for entry in sharded] == [0.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("mode", ["same", "cross"])
 def test_routed_local_teachers_under_zero3_with_a_teacher_absent_from_one_rank(tiny, tiny_other_teacher, tmp_path,
                                                                                 mode):

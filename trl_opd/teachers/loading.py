@@ -166,7 +166,8 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str, 
 def _served_head(urls, args, student, student_name: str) -> dict:
     """`HiddenStateTeacher`'s head and options: the head read from teacher_model_name_or_path (else the served model's
     own name, when it is a path or Hub id readable here), in the teacher's dtype as a local one would load."""
-    name = resolve_model(args.teacher_model_name_or_path or next(iter(server_infos(urls, args).values()))["model"])
+    name = None if is_served(args.teacher_model_name_or_path) else args.teacher_model_name_or_path
+    name = resolve_model(name or next(iter(server_infos(urls, args).values()))["model"])
     dtype = (args.teacher_model_init_kwargs or {}).get("dtype") or (
         student.dtype if isinstance(student, torch.nn.Module) else (args.model_init_kwargs or {}).get("dtype"))
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype

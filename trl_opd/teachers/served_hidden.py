@@ -132,12 +132,24 @@ def load_teacher_head(name: str, *, dtype: torch.dtype | None = None, device="cp
     if bias_at:
         with safe_open(bias_at[0], framework="pt") as tensors:
             bias = tensors.get_tensor(bias_at[1])
-    weight = weight.to(device=device, dtype=dtype or weight.dtype)
-    bias = None if bias is None else bias.to(device=device, dtype=weight.dtype)
+    weight = _whole_under_zero3(weight.to(device=device, dtype=dtype or weight.dtype))
+    bias = None if bias is None else _whole_under_zero3(bias.to(device=device, dtype=weight.dtype))
     logger.warning("Teacher head: %s from %s, %d x %d %s (%.2f GB) read in %.1f s.", key, file, *weight.shape,
                    str(weight.dtype).removeprefix("torch."), weight.nelement() * weight.element_size() / 1e9,
                    time.perf_counter() - start)
     return OutputHead(weight, bias, logit_scale(text), getattr(text, "final_logit_softcapping", None), temperature)
+
+
+def _whole_under_zero3(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` marked as a whole ZeRO-3 parameter when ZeRO-3 is on: TRL's divergence kernel gathers both heads
+    through DeepSpeed's status flag, which a plain tensor lacks; one that says it is available is left as it is."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        tensor.ds_status = ZeroParamStatus.AVAILABLE
+    return tensor
 
 
 def _head_location(name: str, config, trust_remote_code: bool):
@@ -146,8 +158,10 @@ def _head_location(name: str, config, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
     from transformers.utils import cached_file
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):  # the class itself, not `from_config`, which under ZeRO-3 would partition it
+        model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        model = (model_class(config) if model_class is not None
+                 else AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
     modules = {id(module): module_name for module_name, module in model.named_modules()}
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and head.weight is embedding.weight
