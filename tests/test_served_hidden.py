@@ -39,6 +39,21 @@ def test_a_hidden_state_server_scores_exactly_as_the_local_teacher(hidden_server
     assert served_scores.logps[~mask].abs().sum() == 0 and served_scores.hidden[~mask].abs().sum() == 0
 
 
+def test_teacher_temperature_applies_to_a_head_held_here(hidden_server, tiny, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    batch = padded_batch(seed=1)
+    served = HiddenStateTeacher(hidden_server, head=load_teacher_head(str(tiny / "teacher"), temperature=0.5))
+    served.connect(tokenizer, student_name="tiny student")
+    local = LocalTeacher(freeze_teacher(AutoModelForCausalLM.from_pretrained(tiny / "teacher")), batch_size=8,
+                         temperature=0.5)
+    mask = batch[3].bool()
+    served_scores, local_scores = served.score(*batch), local.score(*batch)
+    _close(served_scores.logps[mask], local_scores.logps[mask])
+    untempered = HiddenStateTeacher(hidden_server, head=load_teacher_head(str(tiny / "teacher"))).score(*batch)
+    assert (untempered.logps[mask] - served_scores.logps[mask]).abs().max() > 0.01
+
+
 def _length_reward(completions, **kwargs):
     return [len(completion) / 10 for completion in completions]
 

@@ -225,12 +225,13 @@ def test_teacher_temperature_divides_the_teachers_logits(tiny):
     torch.testing.assert_close(scores.logps[0], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_teacher_temperature_is_refused_where_it_cannot_apply(make_config):
+def test_teacher_temperature_is_refused_where_it_cannot_apply(teacher_server, make_config):
+    # a log-prob server cannot renormalise; one that returns hidden states can (tests/test_served_hidden.py)
     from trl_opd.teachers.loading import connect_served_teacher
 
-    with pytest.raises(ValueError, match="local teachers only"):
-        connect_served_teacher(["http://127.0.0.1:9"], make_config(teacher_temperature=0.5),
-                               student_tokenizer=None, student_name="s")
+    with pytest.raises(ValueError, match="a vLLM log-prob server returns raw log-probs and cannot renormalise"):
+        connect_served_teacher([teacher_server], make_config(teacher_temperature=0.5), student_tokenizer=None,
+                               student_name="s")
 
 
 # ------------------------------------------------------------------------------------------------ RL + OPD
