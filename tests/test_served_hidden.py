@@ -205,3 +205,16 @@ def test_a_dropped_answer_is_retried_and_a_malformed_one_stops_the_batch(tiny, t
         answers[:] = [(200, np.zeros(3 * 96, dtype="<f4").tobytes(), good[2])]  # 3 positions for 2 tokens
         with pytest.raises(Exception, match=r"answered /opd/hidden for sequences 0..0 with \[2\] positions \(288"):
             teacher.score(*batch)
+
+
+def test_serve_teacher_refuses_hidden_states_from_an_older_vllm(tmp_path, capsys):
+    from trl_opd import serve
+
+    old = tmp_path / "python"  # an interpreter whose vllm is 0.30
+    old.write_text("#!/bin/sh\necho \"__version__ = version = '0.30.1'\"\n")
+    old.chmod(0o755)
+    with pytest.raises(SystemExit, match=r"--hidden-states needs vLLM 0\.31 or later .* has vLLM 0\.30"):
+        serve.main(["some/model", "--hidden-states", "--python", str(old)])
+    serve.main(["some/model", "--hidden-states", "--python", str(old), "--dry-run"])  # the flags it would pass
+    printed = capsys.readouterr().out
+    assert "--runner pooling --convert embed" in printed and "/opd/hidden" in printed

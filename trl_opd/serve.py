@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -79,6 +80,25 @@ def has_vllm(python: str) -> bool:
         return False
 
 
+# The oldest vLLM `--hidden-states` is tested with (its token-embedding pooler of every position, unnormalised)
+HIDDEN_STATES_MIN_VLLM = (0, 31)
+
+
+def vllm_version(python: str) -> tuple[int, ...] | None:
+    """The (major, minor) of the vllm that `python` finds, read from its `_version.py` without importing it."""
+    import subprocess
+
+    probe = ("import importlib.util, pathlib, re; spec = importlib.util.find_spec('vllm'); "
+             "text = (pathlib.Path(spec.origin).parent / '_version.py').read_text(); "
+             "print(re.search(r\"version = '([0-9]+)\\.([0-9]+)\", text).group(0))")
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"([0-9]+)\.([0-9]+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-opd serve-teacher", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="path or Hub id of the teacher")
@@ -104,6 +124,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.python} cannot import vllm, so it cannot serve the teacher. Install it there first "
             "(`pip install 'trl_opd[vllm]'`, or vllm in a virtualenv of its own, then pass that interpreter with "
             "--python), and start again."
+        )
+    version = vllm_version(args.python) if args.hidden_states and not args.dry_run else None
+    if version is not None and version < HIDDEN_STATES_MIN_VLLM:
+        raise SystemExit(
+            f"--hidden-states needs vLLM {'.'.join(map(str, HIDDEN_STATES_MIN_VLLM))} or later (its pooling runner "
+            f"returning every position's final hidden state); {args.python} has vLLM {'.'.join(map(str, version))}. "
+            "Upgrade vLLM there, or serve log-probs (without --hidden-states) and use opd_estimator: topk."
         )
     route = ROUTE_DIR / f"{SCORING_ROUTE.split('.')[0]}.py"
     if not route.is_file():
