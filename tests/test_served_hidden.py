@@ -1,6 +1,8 @@
 """A served teacher that returns its final hidden states (`serve-teacher --hidden-states`), its head held here: the
 `full` estimator from a real vLLM server, against the same teacher loaded locally."""
 
+import json
+
 import pytest
 import torch
 from transformers import TrainerCallback
@@ -97,6 +99,40 @@ def test_served_full_equals_local_full_loss_and_gradients(hidden_server, tiny, p
     assert served_grads.keys() == local_grads.keys() and len(served_grads) > 0
     for name, gradient in local_grads.items():
         _close(served_grads[name], gradient)
+
+
+@pytest.mark.parametrize("estimator", ["topk", "sampled"])
+def test_the_other_estimators_from_a_hidden_state_server_equal_the_local_teachers(hidden_server, tiny, prompts,
+                                                                                   make_config, estimator):
+    served, served_log, served_grads = _one_step(tiny, prompts, make_config, teacher_server_url=hidden_server,
+                                                 opd_estimator=estimator)
+    local, local_log, local_grads = _one_step(tiny, prompts, make_config, opd_estimator=estimator,
+                                              teacher_model_name_or_path=str(tiny / "teacher"))
+    for name in ("loss", "opd/reverse_kl", "opd/teacher_agreement", "opd/teacher_entropy"):
+        assert served_log[name] == pytest.approx(local_log[name], rel=1e-5, abs=1e-7), name
+    assert abs(served_log["loss"]) > 1e-3
+    for name, gradient in local_grads.items():
+        _close(served_grads[name], gradient)
+
+
+def test_rows_routed_to_a_hidden_state_server_and_a_local_teacher(hidden_server, tiny, make_config):
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in open(tiny / "train.jsonl")][:8]
+    dataset = Dataset.from_list([{"prompt": row["prompt"], "teacher": route}
+                                 for row, route in zip(rows, ["local", "served"] * 4, strict=True)])
+    teachers = {"local": str(tiny / "teacher"), "served": hidden_server}
+    trainer = OPDTrainer(model=str(tiny / "student"), args=make_config(max_steps=1, teachers=teachers),
+                         train_dataset=dataset)
+    assert isinstance(trainer.teacher.scorers["served"], HiddenStateTeacher)
+    batch = padded_batch()
+    routed = trainer.teacher.score(*batch, routes=["served", "local", "served", "served", "local"])
+    local = trainer.teacher.scorers["local"].score(*batch)
+    mask = batch[3].bool()
+    _close(routed.logps[mask], local.logps[mask])  # the same model behind both routes
+    _close(routed.entropy[mask], local.entropy[mask])  # both give it, so the routed batch does too
+    trainer.train()
+    assert 0 < next(entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry)["opd/reverse_kl"]
 
 
 def test_the_default_estimator_of_a_served_teacher_is_what_its_server_gives(hidden_server, teacher_server,

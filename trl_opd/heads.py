@@ -14,7 +14,6 @@ keeps it whole through the backward, so that its gradient is accumulated and red
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,10 +55,8 @@ class OutputHead:
         return getattr(self.weight, "ds_shape", self.weight.shape)[0]
 
     def gathered(self):
-        """Context in which `weight` and `bias` are whole: a no-op unless ZeRO-3 partitions them outside a forward (a
-        served teacher's head, read here, is a plain tensor on every process)."""
-        partitioned = [tensor for tensor in (self.weight, self.bias) if hasattr(tensor, "ds_id")]
-        return maybe_gather_lm_head_ctx(*partitioned) if partitioned else nullcontext()
+        """Context in which `weight` and `bias` are whole: a no-op unless ZeRO-3 partitions them outside a forward."""
+        return maybe_gather_lm_head_ctx(self.weight, self.bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Transformed float32 logits (N, V) of hidden states (N, H), read in the head's dtype (a float32 head beside

@@ -84,8 +84,7 @@ def _info(model_config) -> dict:
     hidden = model_config.runner_type == "pooling"
     info = {"version": VERSION, "hidden_states": hidden}
     if hidden:
-        dtype = _WIRE_DTYPES.get(str(model_config.dtype), "float32")
-        info.update(hidden_size=model_config.get_hidden_size(), dtype=dtype)
+        info.update(hidden_size=model_config.get_hidden_size(), dtype=str(model_config.dtype).removeprefix("torch."))
     return info
 
 
@@ -102,8 +101,8 @@ def _sequences(body: dict) -> list:
     return sequences
 
 
-# the served dtype -> what travels: the model's own dtype, so no bit is lost or added
-_WIRE_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+# What travels: the model's own dtype, so no bit is lost or added; the client refuses another
+_WIRE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 async def _hidden(request):
@@ -118,6 +117,9 @@ async def _hidden(request):
     if not info["hidden_states"]:
         return JSONResponse({"error": "this server generates and cannot return hidden states: start it with "
                                       "`trl-opd serve-teacher MODEL --hidden-states`"}, status_code=400)
+    if info["dtype"] not in _WIRE_DTYPES:
+        return JSONResponse({"error": f"the model is served as {info['dtype']}; hidden states travel as one of "
+                                      f"{', '.join(_WIRE_DTYPES)} (vLLM's --dtype)"}, status_code=400)
     import torch
     from vllm import PoolingParams
     from vllm.inputs import TokensPrompt

@@ -14,7 +14,7 @@ from ..alignment import ByteVocabulary
 from ..checks import check_tokenizers_compatible, check_vocab_sizes
 from ..models_dir import resolve_model
 from ..secrets import mask_urls
-from .served_hidden import HiddenStateTeacher, load_teacher_head, server_infos, serves_hidden_states
+from .served_hidden import HiddenStateTeacher, all_hidden, load_teacher_head, server_infos
 from .vllm_server import VLLMServerTeacher, is_served
 
 
@@ -128,7 +128,8 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str, 
     """A client for the teacher servers at `urls`, checked for health and tokenizer agreement: with the student's
     tokenizer, or with `teacher_tokenizer` (a cross-tokenizer teacher). Servers that return hidden states get a
     `HiddenStateTeacher` with the teacher's head (`served_hidden`); `student` (path or model) sizes its vocabulary."""
-    hidden = serves_hidden_states(args, urls)
+    infos = server_infos(urls, args)
+    hidden = all_hidden(infos)
     if not hidden and args.opd_estimator == "full":
         raise ValueError(
             f"opd_estimator='full' with a served teacher needs its final hidden states, and {mask_urls(str(urls))} "
@@ -153,7 +154,8 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str, 
         startup_timeout=args.teacher_server_startup_timeout,
     )
     if hidden:
-        teacher = HiddenStateTeacher.from_env(urls, **client, **_served_head(urls, args, student, student_name))
+        served_model = next(iter(infos.values()))["model"]
+        teacher = HiddenStateTeacher.from_env(urls, **client, **_served_head(served_model, args, student, student_name))
     else:
         teacher = VLLMServerTeacher.from_env(urls, **client)
     if teacher_tokenizer is not None:
@@ -163,11 +165,12 @@ def connect_served_teacher(urls, args, *, student_tokenizer, student_name: str, 
     return teacher
 
 
-def _served_head(urls, args, student, student_name: str) -> dict:
-    """`HiddenStateTeacher`'s head and options: the head read from teacher_model_name_or_path (else the served model's
-    own name, when it is a path or Hub id readable here), in the teacher's dtype as a local one would load."""
+def _served_head(served_model: str, args, student, student_name: str) -> dict:
+    """`HiddenStateTeacher`'s head and options: the head read from teacher_model_name_or_path (else `served_model`,
+    the served model's own name, when it is a path or Hub id readable here), in the teacher's dtype as a local one
+    would load."""
     name = None if is_served(args.teacher_model_name_or_path) else args.teacher_model_name_or_path
-    name = resolve_model(name or next(iter(server_infos(urls, args).values()))["model"])
+    name = resolve_model(name or served_model)
     dtype = (args.teacher_model_init_kwargs or {}).get("dtype") or (
         student.dtype if isinstance(student, torch.nn.Module) else (args.model_init_kwargs or {}).get("dtype"))
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype

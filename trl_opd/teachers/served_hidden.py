@@ -218,9 +218,11 @@ def serves_hidden_states(args, urls=None) -> bool:
     from .vllm_server import is_served
 
     urls = urls or args.teacher_server_url or args.teacher_model_name_or_path
-    if not is_served(urls):
-        return False
-    infos = server_infos(urls, args)
+    return is_served(urls) and all_hidden(server_infos(urls, args))
+
+
+def all_hidden(infos: dict[str, dict]) -> bool:
+    """Whether the servers whose `server_infos` these are return hidden states: all or none, else an error."""
     hidden = sorted(url for url, info in infos.items() if info.get("hidden_states"))
     if hidden and len(hidden) < len(infos):
         raise ValueError(
