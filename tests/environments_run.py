@@ -3,9 +3,11 @@ tests/test_distributed.py with 2 processes, not collected by pytest.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/environments_run.py
 
-Each rank prints one line: `rank R stopped: <message>`, or `rank R went on` if its check did not raise.
+Each rank prints one line: `rank R stopped: <message>`, or `rank R went on` if its check did not raise. The line goes
+out in one write: unbuffered, `print` writes the text and its newline apart, and the two ranks' lines can interleave.
 """
 
+import os
 from types import SimpleNamespace
 
 import torch
@@ -18,7 +20,8 @@ accelerator = SimpleNamespace(device=torch.device("cpu"))  # all the check reads
 environments = [SimpleNamespace(failure=None), SimpleNamespace(failure=f"lost at rank {rank}" if rank == 1 else None)]
 try:
     check_environments(environments, accelerator)
-    print(f"rank {rank} went on", flush=True)
+    line = f"rank {rank} went on"
 except RuntimeError as stopped:
-    print(f"rank {rank} stopped: {stopped}", flush=True)
+    line = f"rank {rank} stopped: {stopped}"
+os.write(1, f"{line}\n".encode())  # under the pipe's atomic size (4 KiB): one piece, whatever the other rank writes
 torch.distributed.destroy_process_group()
