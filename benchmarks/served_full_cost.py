@@ -11,8 +11,8 @@ second of its `score` calls); bytes per scored token on the wire, measured (the 
 float32 logits would be; the training process's peak resident memory before the evaluation; held-out accuracy
 (greedy and sampled, binomial errors) and the exact KL(student || teacher) on the student's samples after training.
 
-    OPD_MODELS_DIR=~/.cache/real-models .venv/bin/python benchmarks/served_full_cost.py --steps 16 \
-        --json benchmarks/results/served_full_cost.json
+    OPD_MODELS_DIR=~/.cache/real-models .venv/bin/python benchmarks/served_full_cost.py --steps 32 \
+        --json benchmarks/results/served_full_cost.json               # about 60 minutes
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--student", default="Qwen/Qwen2.5-Coder-0.5B-Instruct")
     parser.add_argument("--teacher", default="Qwen/Qwen2.5-Coder-1.5B-Instruct")
     parser.add_argument("--task", default="artifacts/code_task")
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--eval-prompts", type=int, default=100)
     parser.add_argument("--seed", type=int, default=42)
