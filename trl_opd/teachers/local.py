@@ -32,7 +32,32 @@ def freeze_teacher(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-class LocalTeacher:
+class OutsideMassCheck:
+    """The warning a teacher whose head is in this process gives once, when its vocabulary is larger than the
+    student's and it puts real probability beyond the student's ids. Needs `output_head` and `student_vocab_size`."""
+
+    _checked_outside_mass = False
+
+    def _check_outside_mass(self, hidden, completion_ids, completion_mask, logps) -> None:
+        """On the first scored batch, warn if the teacher puts real probability on ids the student cannot write,
+        which the dense terms leave out; untrained padding rows (e.g. 152,064 against 151,936) carry none."""
+        extra_rows = self.output_head.vocab_size - (self.student_vocab_size or 0)
+        if self._checked_outside_mass or not self.student_vocab_size or extra_rows <= 0:
+            return
+        self._checked_outside_mass = True
+        valid = completion_mask.bool()
+        mass = head_mass_beyond(hidden[valid], self.output_head, completion_ids[valid], logps[valid],
+                                vocab_size=self.student_vocab_size)
+        if mass.numel() and mass.max() > OUTSIDE_MASS_WARNING:
+            logger.warning(
+                "The teacher puts up to %.3g of its probability (mean %.3g) on its %d token ids beyond the student's "
+                "vocabulary of %d. The dense terms compare the two over the student's ids only: 'full' renormalises "
+                "the teacher over them, 'topk' counts that mass in its tail bucket.", mass.max().item(),
+                mass.mean().item(), extra_rows, self.student_vocab_size,
+            )
+
+
+class LocalTeacher(OutsideMassCheck):
     """Scores completions with a model prepared by `freeze_teacher` (possibly wrapped by DeepSpeed ZeRO-3)."""
 
     _forward_redirection = _ForwardRedirection()
@@ -57,7 +82,6 @@ class LocalTeacher:
         # the dense terms compare the two models over the student's ids; a teacher's extra rows (a larger vocabulary)
         # are left out: 'full' renormalises the teacher over the student's ids, 'topk' puts their mass in the tail
         self.student_vocab_size = student_vocab_size
-        self._checked_outside_mass = False
 
     @property
     def causal_lm(self) -> torch.nn.Module:
@@ -105,24 +129,6 @@ class LocalTeacher:
             lambda **inputs: backbone(**inputs, use_cache=False).last_hidden_state,
             input_ids=input_ids, attention_mask=attention_mask,
         )
-
-    def _check_outside_mass(self, hidden, completion_ids, completion_mask, logps) -> None:
-        """On the first scored batch, warn if the teacher puts real probability on ids the student cannot write,
-        which the dense terms leave out; untrained padding rows (e.g. 152,064 against 151,936) carry none."""
-        extra_rows = self.output_head.vocab_size - (self.student_vocab_size or 0)
-        if self._checked_outside_mass or not self.student_vocab_size or extra_rows <= 0:
-            return
-        self._checked_outside_mass = True
-        valid = completion_mask.bool()
-        mass = head_mass_beyond(hidden[valid], self.output_head, completion_ids[valid], logps[valid],
-                                vocab_size=self.student_vocab_size)
-        if mass.numel() and mass.max() > OUTSIDE_MASS_WARNING:
-            logger.warning(
-                "The teacher puts up to %.3g of its probability (mean %.3g) on its %d token ids beyond the student's "
-                "vocabulary of %d. The dense terms compare the two over the student's ids only: 'full' renormalises "
-                "the teacher over them, 'topk' counts that mass in its tail bucket.", mass.max().item(),
-                mass.mean().item(), extra_rows, self.student_vocab_size,
-            )
 
     @property
     def output_head(self) -> OutputHead:

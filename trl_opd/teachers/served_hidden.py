@@ -26,6 +26,7 @@ import torch
 
 from ..heads import OutputHead, head_token_stats, head_topk_logps, logit_scale
 from .base import TeacherScores
+from .local import OutsideMassCheck
 from .server_errors import TeacherServerError, reading
 from .vllm_server import VLLMServerTeacher
 
@@ -35,7 +36,7 @@ WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 _NUMPY_VIEWS = {"float32": "<f4", "bfloat16": "<i2", "float16": "<f2"}  # numpy has no bfloat16: its bits travel
 
 
-class HiddenStateTeacher(VLLMServerTeacher):
+class HiddenStateTeacher(OutsideMassCheck, VLLMServerTeacher):
     """Scores completions from the teacher's final hidden states, fetched from `serve-teacher --hidden-states`
     servers at `urls`, through `head` (the teacher's, see `load_teacher_head`), as `LocalTeacher` does after its
     backbone. Takes `VLLMServerTeacher`'s arguments besides."""
@@ -112,6 +113,7 @@ class HiddenStateTeacher(VLLMServerTeacher):
         if self.topk:
             ids, top = head_topk_logps(hidden.flatten(0, 1), head, k=self.topk, vocab_size=self.student_vocab_size)
             scores.topk_ids, scores.topk_logps = ids.view(*hidden.shape[:2], -1), top.view(*hidden.shape[:2], -1)
+        self._check_outside_mass(hidden, completion_ids, completion_mask, logps)
         return scores
 
 
