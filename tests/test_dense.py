@@ -216,7 +216,7 @@ def test_full_estimator_needs_a_teacher_with_hidden_states(make_config):
     # a served one is checked at connection (tests/test_served_hidden.py)
     with pytest.raises(ValueError, match="opd_estimator='full' needs the teacher's hidden states"):
         make_config(opd_estimator="full", ref_as_teacher=True)
-    with pytest.raises(ValueError, match="opd_estimator='topk' needs one teacher model"):
+    with pytest.raises(ValueError, match="opd_estimator=.topk. needs teacher models"):
         make_config(opd_estimator="topk", ref_as_teacher=True)
     with pytest.raises(ValueError, match="opd_topk must be at least 1"):
         make_config(opd_estimator="topk", opd_topk=0)
@@ -469,3 +469,65 @@ def test_a_float32_head_beside_a_bf16_student_reads_its_states_in_float32(tiny, 
     (compact, grpo, valid), = logps
     scale = grpo[valid].abs().max().item()
     torch.testing.assert_close(compact[valid], grpo[valid], rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("estimator", ["full", "topk"])
+def test_routed_teachers_give_each_row_its_own_teachers_dense_term(tiny, tokenizer, make_config, estimator):
+    """Rows routed to the tiny teacher (96 wide) or to a copy of the student (64 wide, so its rows' divergence is 0 at
+    the first step): the logged dense divergence is the mean over the batch's tokens of each row's own teacher's,
+    computed here from both models' full logits, with the route read from the prompt."""
+    import json
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    rows = [json.loads(line) for line in open(tiny / "train.jsonl")]
+    rows = [r for r in rows if "plus" in r["prompt"][0]["content"]][:2] + [
+        r for r in rows if "plus" not in r["prompt"][0]["content"]][:2]
+
+    def route_of(text):
+        return "copy" if "plus" in text else "teacher"
+
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "teacher": route_of(r["prompt"][0]["content"])}
+                                 for r in rows])
+    teachers = {"teacher": str(tiny / "teacher"), "copy": str(tiny / "student")}
+    trainer = OPDTrainer(model=str(tiny / "student"), train_dataset=dataset,
+                         args=make_config(max_steps=1, teachers=teachers, opd_estimator=estimator))
+    seen, dense_loss = [], trainer._dense_loss
+
+    def capture(inputs, *args):
+        seen.append(dict(inputs))
+        return dense_loss(inputs, *args)
+
+    trainer._dense_loss = capture
+    trainer.train()
+    name = "opd/reverse_kl_dense" if estimator == "full" else "opd/reverse_kl_topk"
+    logged = next(entry for entry in trainer.state.log_history if name in entry)[name]
+    (inputs,) = seen
+    routes = [route_of(text) for text in tokenizer.batch_decode(inputs["prompt_ids"], skip_special_tokens=True)]
+    assert sorted(routes) == ["copy", "copy", "teacher", "teacher"]
+    if estimator == "full":  # the index of each row's head, in the order of `teachers`
+        assert inputs["teacher_route"].tolist() == [0 if route == "teacher" else 1 for route in routes]
+    # the student's weights at the first step's loss are its checkpoint's, the copy's
+    models = {name: AutoModelForCausalLM.from_pretrained(tiny / path).eval() for name, path in
+              (("teacher", "teacher"), ("copy", "student"))}
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    width, mask = inputs["completion_ids"].size(1), inputs["action_mask"].bool()
+    with torch.no_grad():
+        logps = {name: model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -width - 1 : -1]
+                 .float().log_softmax(-1) for name, model in models.items()}
+
+    def divergence(student_logps, teacher_logps):  # reverse KL per position: whole vocabulary, or top-20 + tail
+        if estimator == "topk":
+            ids = teacher_logps.topk(20, dim=-1).indices
+            student_logps, teacher_logps = (torch.cat([top, (1 - top.exp().sum(-1, keepdim=True)).clamp(min=1e-7)
+                                                       .log()], -1)
+                                            for top in (student_logps.gather(-1, ids), teacher_logps.gather(-1, ids)))
+        return (student_logps.exp() * (student_logps - teacher_logps)).sum(-1)
+
+    per_token = torch.stack([divergence(logps["copy"][i], logps[route][i]) for i, route in enumerate(routes)])
+    assert all(per_token[i][mask[i]].abs().max() < 1e-5 for i, route in enumerate(routes) if route == "copy")
+    expected = (per_token[mask].sum() / mask.sum()).item()
+    assert expected > 0.05
+    assert logged == pytest.approx(expected, rel=1e-4)

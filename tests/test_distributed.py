@@ -173,12 +173,13 @@ def test_a_hidden_state_server_under_zero3_trains_full_like_one_process(hidden_s
     assert [entry["opd/staleness"] for entry in sharded] == [0.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("mode", ["same", "cross"])
+@pytest.mark.parametrize(("mode", "estimator"), [("same", "sampled"), ("same", "full"), ("cross", "sampled")])
 def test_routed_local_teachers_under_zero3_with_a_teacher_absent_from_one_rank(tiny, tiny_other_teacher, tmp_path,
-                                                                                mode):
+                                                                                mode, estimator):
     # 16 rows, one routed to "self": every global batch holds all 16, so one rank scores a "self" row and the other
     # none, and must still run the same forwards of that sharded teacher (else the collective hangs). In cross mode
-    # "expert" is of another family, and the byte credit's head projections are collectives too
+    # "expert" is of another family, and the byte credit's head projections are collectives too. With 'full' each
+    # rank projects its rows through both teachers' heads (96 and 64 wide), gathered whole, whatever its routes
     rows = [json.loads(line) for line in (tiny / "train.jsonl").read_text().splitlines()][:16]
     data = tmp_path / "routed.jsonl"
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "teacher": "self" if i == 5 else "expert"}) + "\n"
@@ -188,10 +189,11 @@ def test_routed_local_teachers_under_zero3_with_a_teacher_absent_from_one_rank(t
 
     def args(out):  # no teacher_model_name_or_path ("" unsets the recipe's): the routed teachers instead
         return [*_args(tiny, out, "--use_peft", "true", "--teachers", teachers, "--teacher_tokenizer_mode", mode,
-                       teacher=""), "--dataset_name", str(data)]
+                       "--opd_estimator", estimator, teacher=""), "--dataset_name", str(data)]
 
     two, one = _train_both_ways(args, tmp_path)
-    sharded = _assert_same_training(two, one)
+    dense = {"dense_metric": "opd/reverse_kl_dense"} if estimator == "full" else {}
+    sharded = _assert_same_training(two, one, **dense)
     assert all(entry["opd/reverse_kl"] > 0 for entry in sharded)
 
 

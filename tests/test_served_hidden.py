@@ -56,6 +56,21 @@ def test_teacher_temperature_applies_to_a_head_held_here(hidden_server, tiny, to
     assert (untempered.logps[mask] - served_scores.logps[mask]).abs().max() > 0.01
 
 
+def test_a_served_teacher_warns_once_of_mass_beyond_the_students_vocabulary(hidden_server, tiny, tokenizer, caplog):
+    # as a local teacher does (test_dense.py): the head is here, so the mass on its extra rows can be measured
+    from trl_opd.heads import OutputHead
+
+    head = load_teacher_head(str(tiny / "teacher"))
+    larger = OutputHead(torch.cat([head.weight, head.weight[:16] * 5]))  # extra rows that outscore everything
+    served = HiddenStateTeacher(hidden_server, head=larger, student_vocab_size=head.vocab_size)
+    with caplog.at_level("WARNING"):
+        served.score(*padded_batch(seed=2))
+        served.score(*padded_batch(seed=3))
+    warnings = [r.getMessage() for r in caplog.records if "beyond the student's vocabulary" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"on its 16 token ids beyond the student's vocabulary of {head.vocab_size}" in warnings[0]
+
+
 def _length_reward(completions, **kwargs):
     return [len(completion) / 10 for completion in completions]
 
@@ -122,8 +137,9 @@ def test_rows_routed_to_a_hidden_state_server_and_a_local_teacher(hidden_server,
     dataset = Dataset.from_list([{"prompt": row["prompt"], "teacher": route}
                                  for row, route in zip(rows, ["local", "served"] * 4, strict=True)])
     teachers = {"local": str(tiny / "teacher"), "served": hidden_server}
-    trainer = OPDTrainer(model=str(tiny / "student"), args=make_config(max_steps=1, teachers=teachers),
-                         train_dataset=dataset)
+    trainer = OPDTrainer(model=str(tiny / "student"), train_dataset=dataset,
+                         args=make_config(max_steps=1, teachers=teachers, opd_estimator=None))
+    assert trainer.args.opd_estimator == "full"  # both give hidden states
     assert isinstance(trainer.teacher.scorers["served"], HiddenStateTeacher)
     batch = padded_batch()
     routed = trainer.teacher.score(*batch, routes=["served", "local", "served", "served", "local"])
@@ -131,11 +147,14 @@ def test_rows_routed_to_a_hidden_state_server_and_a_local_teacher(hidden_server,
     mask = batch[3].bool()
     _close(routed.logps[mask], local.logps[mask])  # the same model behind both routes
     _close(routed.entropy[mask], local.entropy[mask])  # both give it, so the routed batch does too
+    _close(routed.hidden[mask], local.hidden[mask])  # each row's states, for its own teacher's head
+    assert routed.hidden_route.tolist() == [1, 0, 1, 1, 0]  # the order of `teachers`
     trainer.train()
-    assert 0 < next(entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry)["opd/reverse_kl"]
+    logged = next(entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry)
+    assert logged["opd/reverse_kl_dense"] > 0.01
 
 
-def test_the_default_estimator_of_a_served_teacher_is_what_its_server_gives(hidden_server, teacher_server,
+def test_the_default_estimator_of_a_served_teacher_is_what_its_server_gives(hidden_server, teacher_server, tiny,
                                                                             make_config):
     for url, expected in ((hidden_server, "full"), (teacher_server, "topk")):
         args = make_config(opd_estimator=None, teacher_server_url=url)
@@ -144,6 +163,13 @@ def test_the_default_estimator_of_a_served_teacher_is_what_its_server_gives(hidd
         args = make_config(opd_estimator=None)
         args.resolve_estimator(teacher_model=url)  # a server given to the trainer
         assert args.opd_estimator == expected
+        # routed beside a local teacher: what the server gives decides
+        args = make_config(opd_estimator=None, teachers={"local": str(tiny / "teacher"), "served": url})
+        args.resolve_estimator()
+        assert args.opd_estimator == expected
+    args = make_config(opd_estimator=None, teachers={"a": str(tiny / "teacher"), "b": str(tiny / "student")})
+    args.resolve_estimator()
+    assert args.opd_estimator == "full"  # local teachers give everything
     with pytest.raises(ValueError, match="servers differ: .* return hidden states .* and .* log-probs"):
         make_config(opd_estimator=None, teacher_server_url=[hidden_server, teacher_server]).resolve_estimator()
 

@@ -121,12 +121,13 @@ class OPDConfig(GRPOConfig):
             "help": "How the teacher's signal reaches the student. 'sampled': the per-token advantage of the "
             "sampled token in the policy objective. 'topk': a dense loss term (weight opd_dense_coef) at every "
             "completion position, the reverse KL over the teacher's opd_topk most likely tokens and one bucket for "
-            "the rest (local or served teacher). 'full': the dense term is the exact reverse KL over the whole "
-            "vocabulary (one local teacher, or a served one that returns hidden states). Dense terms are computed in "
-            "tiles; with opd_coef > 0 the sampled term is added to them. Default: the best one the teacher source "
-            "supports, as measured (docs/estimators.md): 'full' for one local teacher, a served one with hidden states "
-            "(`serve-teacher --hidden-states`) and the student as its own (student_as_teacher; 'topk' where its "
-            "weights move between scoring and the loss), 'topk' for another served one, 'sampled' otherwise.",
+            "the rest (local, served or routed teachers). 'full': the dense term is the exact reverse KL over the "
+            "whole vocabulary (local teachers, or served ones that return hidden states; routed too). Dense terms are "
+            "computed in tiles; with opd_coef > 0 the sampled term is added to them. Default: the best one the "
+            "teacher source supports, as measured (docs/estimators.md): 'full' for local teachers, served ones with "
+            "hidden states (`serve-teacher --hidden-states`) and the student as its own (student_as_teacher; 'topk' "
+            "where its weights move between scoring and the loss), 'topk' where a server gives log-probs only, "
+            "'sampled' otherwise.",
             "choices": list(OPD_ESTIMATORS),
         },
     )

@@ -189,12 +189,16 @@ def resolve_estimator(args: OPDConfig, source: str | None, served=None) -> None:
             args.opd_estimator = "full"
         elif source == "self":
             args.opd_estimator = "topk"  # 'full' would read the moving head at the loss (see _check_self_teacher)
-        elif source == "served":
+        elif source in ("served", "routed"):
             from .teachers.served_hidden import serves_hidden_states
 
-            args.opd_estimator = "full" if serves_hidden_states(args, served if is_served(served) else None) else "topk"
-            logger.warning("opd_estimator: %r, the best the teacher server gives (%s).", args.opd_estimator,
-                           "its hidden states, projected by its head here" if args.opd_estimator == "full" else
+            # routed: the served teachers' servers decide; a local teacher gives everything
+            urls = ([served if is_served(served) else None] if source == "served" else
+                    [teacher for teacher in args.teachers.values() if is_served(teacher)])
+            args.opd_estimator = "full" if all(serves_hidden_states(args, url) for url in urls) else "topk"
+            logger.warning("opd_estimator: %r, the best the teacher %s (%s).", args.opd_estimator,
+                           "server gives" if source == "served" else "servers and models give",
+                           "hidden states, projected by each teacher's head here" if args.opd_estimator == "full" else
                            "log-probs, no hidden states: `trl-opd serve-teacher MODEL --hidden-states` gives 'full'")
         else:
             args.opd_estimator = "sampled"
@@ -220,8 +224,8 @@ def resolve_estimator(args: OPDConfig, source: str | None, served=None) -> None:
 
 # The teacher sources that can provide each dense estimator's teacher side
 _ESTIMATOR_SOURCES = {
-    "full": ("local", "served", "self"),  # the teacher's final hidden states (a served one: `--hidden-states`)
-    "topk": ("local", "served", "self"),  # the teacher's top-k tokens and log-probs at every position
+    "full": ("local", "served", "self", "routed"),  # the teacher's final hidden states (served: `--hidden-states`)
+    "topk": ("local", "served", "self", "routed"),  # the teacher's top-k tokens and log-probs at every position
 }
 
 
@@ -232,12 +236,13 @@ def _check_estimator_source(estimator: str | None, source: str | None) -> None:
              "routed": "routed teachers (teachers)"}[source]
     if estimator == "full":
         raise ValueError(
-            f"opd_estimator='full' needs the teacher's hidden states, which one local teacher model or one server "
-            f"started with `trl-opd serve-teacher MODEL --hidden-states` provides, not {named}. Use "
-            "opd_estimator='sampled'."
+            f"opd_estimator='full' needs the teacher's hidden states, which a local teacher model or a server "
+            f"started with `trl-opd serve-teacher MODEL --hidden-states` provides (alone or routed), not {named}. "
+            "Use opd_estimator='sampled'."
         )
     raise ValueError(
-        f"opd_estimator='topk' needs one teacher model, local or served, not {named}. Use opd_estimator='sampled'."
+        f"opd_estimator='topk' needs teacher models, local or served (alone or routed), not {named}. Use "
+        "opd_estimator='sampled'."
     )
 
 

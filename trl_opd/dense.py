@@ -47,17 +47,19 @@ class DenseLossMixin:
             finally:
                 self._teacher_head_held = None
 
-    def _whole_teacher_head(self) -> OutputHead:
-        """The teacher's head for the full term, gathered once per training step under ZeRO-3 and held whole until
-        its backward is done (TRL's divergence kernel would gather it again for each call of at most 4096 positions,
-        forward and backward: some 120 GB of all-gathers a step for an 8B teacher at the flagship's batch). A head
-        that is the student's own parameter (a self-teacher's) is left to the kernel: the student's forward and its
-        gradient reduction manage it."""
-        head = self.teacher.output_head
-        if self._teacher_head_held is None or not hasattr(head.weight, "ds_id") or self._is_student_parameter(head):
-            return head
-        self._teacher_head_held.enter_context(head.gathered())  # a no-op once gathered: one gather per step
-        return head
+    def _whole_teacher_heads(self) -> tuple[OutputHead, ...]:
+        """The teacher's head for the full term (routed teachers: each one's, in `TeacherScores.hidden_route`'s
+        order), gathered once per training step under ZeRO-3 and held whole until its backward is done (TRL's
+        divergence kernel would gather it again for each call of at most 4096 positions, forward and backward: some
+        120 GB of all-gathers a step for an 8B teacher at the flagship's batch). A head that is the student's own
+        parameter (a self-teacher's) is left to the kernel: the student's forward and its gradient reduction manage
+        it."""
+        heads = getattr(self.teacher, "output_heads", None) or (self.teacher.output_head,)
+        for head in heads:
+            if self._teacher_head_held is not None and hasattr(head.weight, "ds_id") and not (
+                    self._is_student_parameter(head)):
+                self._teacher_head_held.enter_context(head.gathered())  # a no-op once gathered: one gather per step
+        return heads
 
     def _is_student_parameter(self, head: OutputHead) -> bool:
         student = self.accelerator.unwrap_model(self.model)
@@ -68,6 +70,8 @@ class DenseLossMixin:
             return  # the teacher is switched off (opd_loss_coef 0 beside rewards): no dense term, nothing to keep
         if scores.hidden is not None:
             output["teacher_hidden_states"] = scores.hidden  # (B, T, H_teacher), for the full estimator's term
+        if scores.hidden_route is not None:
+            output["teacher_route"] = scores.hidden_route  # (B,) routed teachers: whose head projects each row
         if scores.topk_ids is not None:
             output["teacher_topk_ids"] = scores.topk_ids  # (B, T, k), for the topk estimator's term
             output["teacher_topk_logps"] = scores.topk_logps  # (B, T, k)
@@ -162,9 +166,13 @@ class DenseLossMixin:
                 self._metrics[mode][f"opd/{side}_topk_mass"].append((mass[i] / mass[2].clamp(min=1.0)).item())
         else:
             name = f"opd/{divergence_name(beta)}_dense"
-            per_token = dense_divergence(
-                student_hidden, student_head, inputs["teacher_hidden_states"], self._whole_teacher_head(), mask,
-                beta=beta,
+            # routed teachers: each head over its own rows (the others masked out), on every process alike
+            route = inputs.get("teacher_route")
+            teacher_hidden = inputs["teacher_hidden_states"]
+            per_token = sum(
+                dense_divergence(student_hidden, student_head, teacher_hidden[..., : head.weight.size(-1)], head,
+                                 mask if route is None else mask.bool() & (route == number)[:, None], beta=beta)
+                for number, head in enumerate(self._whole_teacher_heads())
             )  # (B, T)
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":

@@ -204,8 +204,8 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         if args.opd_estimator == "topk" and args.opd_topk > student_vocab_size:
             raise ValueError(f"opd_topk={args.opd_topk} exceeds the student's vocabulary of {student_vocab_size} "
                              "tokens: the top-k term compares at most that many. Lower opd_topk.")
-        if args.opd_estimator == "full":  # refuse a pair of temperatures the kernel cannot apply, before training
-            shared_temperature(self._student_head(self._student_causal_lm()), scorers["teacher"].output_head)
+        for scorer in scorers.values() if args.opd_estimator == "full" else ():  # a pair the kernel cannot apply
+            shared_temperature(self._student_head(self._student_causal_lm()), scorer.output_head)
         if args.teacher_tokenizer_mode == "cross":  # each teacher reads the sampled text its own way
             scorers = {
                 name: CrossTokenizerTeacher(

@@ -18,7 +18,10 @@ class TeacherScores:
     logps: torch.Tensor  # log pi_T(a_t | s_t)
     is_top1: torch.Tensor | None = None  # a_t is the teacher's argmax; None when the source cannot tell
     entropy: torch.Tensor | None = None  # H(pi_T(. | s_t)); None when the source cannot compute it for free
-    hidden: torch.Tensor | None = None  # (B, T, H) final hidden states at s_t, for the full estimator; local only
+    hidden: torch.Tensor | None = None  # (B, T, H) final hidden states at s_t, for the full estimator
+    # (B,) routed teachers: the index of the head (`RoutedTeacher.output_heads`) that projects each row's `hidden`,
+    # whose first H_r of H (the widest teacher's) values are that teacher's
+    hidden_route: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None  # (B, T, k) the teacher's k most likely tokens at s_t, for the topk estimator
     topk_logps: torch.Tensor | None = None  # (B, T, k) their log-probs, in decreasing order
     # A teacher with another tokenizer scores chunks of text, not tokens: `logps` then holds each chunk's log-prob on
