@@ -19,6 +19,8 @@ binomial standard error sqrt(p (1 - p) / n); tool calls per episode; the share o
     # GRPO on the same budget, TRL's GRPOTrainer with the recipe's settings (4 prompts x 1 rollout per OPD step
     # against 1 prompt x 4 rollouts per GRPO step):
     .venv/bin/python benchmarks/code_agent.py grpo --config recipes/agent_code_env_cpu.yaml --seed 42 --output_dir D
+    # the table, one row per method over its seeds:
+    .venv/bin/python benchmarks/code_agent.py summary --group "OPD=results/code_agent_opd28_s*.json" --group ...
 """
 
 from __future__ import annotations
@@ -216,6 +218,34 @@ def grpo_main(args) -> None:
     trainer.processing_class.save_pretrained(args.output_dir)
 
 
+def summary_main(args) -> None:
+    """One row per method: each seed's accuracy, the mean over seeds with the seeds' sample standard deviation, and
+    the standard error of that mean over all episodes pooled (binomial); tool calls and answered share averaged."""
+    import glob
+    import statistics
+
+    print("| method | seeds | greedy, each seed | greedy mean | sampled, each seed | sampled mean "
+          "| tool calls (g / s) | end with an answer (g / s) |")
+    print("|---|---:|---|---:|---|---:|---:|---:|")
+    for group in args.group:
+        label, pattern = group.split("=", 1)
+        runs = [json.loads(Path(f).read_text()) for f in sorted(glob.glob(pattern))]
+        if not runs:
+            raise SystemExit(f"--group {group!r}: no file matches {pattern!r}")
+        cells = []
+        for mode in ("greedy", "sampled"):
+            accuracy = [run[mode]["accuracy"] for run in runs]
+            pooled = binomial(sum(run[mode]["correct"] for run in runs), sum(run[mode]["n"] for run in runs))
+            spread = f", sd {statistics.stdev(accuracy):.1%}" if len(runs) > 1 else ""
+            cells += [" / ".join(f"{a:.0%}" for a in accuracy),
+                      f"{pooled['accuracy']:.1%} ± {pooled['stderr']:.1%}{spread}"]
+        mean = {key: {mode: statistics.fmean(run[mode][key] for run in runs) for mode in ("greedy", "sampled")}
+                for key in ("tool_calls_per_episode", "episodes_ending_with_an_answer")}
+        calls, answered = mean["tool_calls_per_episode"], mean["episodes_ending_with_an_answer"]
+        print(f"| {label} | {len(runs)} | {' | '.join(cells)} | {calls['greedy']:.2f} / {calls['sampled']:.2f} "
+              f"| {answered['greedy']:.0%} / {answered['sampled']:.0%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -239,8 +269,11 @@ def main() -> None:
     grpo.add_argument("--num-generations", type=int, default=4)
     grpo.add_argument("--output_dir", required=True)
     grpo.add_argument("--max-steps", type=int, help="the recipe's max_steps unless given")
+    summary = commands.add_parser("summary", help="a markdown table of evaluations, one row per method")
+    summary.add_argument("--group", action="append", required=True,
+                         help="LABEL=GLOB: the evaluations (--json files) of one method, one per seed")
     args = parser.parse_args()
-    evaluate_main(args) if args.command == "evaluate" else grpo_main(args)
+    {"evaluate": evaluate_main, "grpo": grpo_main, "summary": summary_main}[args.command](args)
 
 
 if __name__ == "__main__":
