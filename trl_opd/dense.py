@@ -169,9 +169,8 @@ class DenseLossMixin:
             # routed teachers: each head over its own rows (the others masked out), on every process alike
             route = inputs.get("teacher_route")
             teacher_hidden = inputs["teacher_hidden_states"]
-            per_token = sum(  # a head partitioned by ZeRO-3 and not gathered here has an empty weight: its ds_shape
-                dense_divergence(student_hidden, student_head, teacher_hidden if route is None else
-                                 teacher_hidden[..., : getattr(head.weight, "ds_shape", head.weight.shape)[-1]], head,
+            per_token = sum(  # routed states are padded to the widest teacher: each head reads its own width
+                dense_divergence(student_hidden, student_head, teacher_hidden[..., : head.hidden_size], head,
                                  mask if route is None else mask.bool() & (route == number)[:, None], beta=beta)
                 for number, head in enumerate(self._whole_teacher_heads())
             )  # (B, T)

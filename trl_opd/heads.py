@@ -54,6 +54,11 @@ class OutputHead:
         """Rows of the head, also while ZeRO-3 holds it partitioned (then `weight` is empty and `ds_shape` is whole)."""
         return getattr(self.weight, "ds_shape", self.weight.shape)[0]
 
+    @property
+    def hidden_size(self) -> int:
+        """Columns of the head: the width of the hidden states it projects, also while ZeRO-3 partitions it."""
+        return getattr(self.weight, "ds_shape", self.weight.shape)[-1]
+
     def gathered(self):
         """Context in which `weight` and `bias` are whole: a no-op unless ZeRO-3 partitions them outside a forward."""
         return maybe_gather_lm_head_ctx(self.weight, self.bias)

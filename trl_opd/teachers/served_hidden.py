@@ -57,7 +57,7 @@ class HiddenStateTeacher(OutsideMassCheck, VLLMServerTeacher):
                 "the teacher's head needs. Start it with `trl-opd serve-teacher MODEL --hidden-states` (vLLM 0.31 or "
                 "later), or use opd_estimator: topk with a log-prob server."
             )
-        width = self.output_head.weight.shape[-1]
+        width = self.output_head.hidden_size
         if info.get("hidden_size") != width:
             raise ValueError(
                 f"Teacher server {url} returns hidden states of size {info.get('hidden_size')}, but the teacher head "
@@ -97,7 +97,7 @@ class HiddenStateTeacher(OutsideMassCheck, VLLMServerTeacher):
 
     def score(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> TeacherScores:
         head, device = self.output_head, completion_ids.device
-        hidden = torch.zeros(*completion_ids.shape, head.weight.shape[-1], dtype=head.weight.dtype, device=device)
+        hidden = torch.zeros(*completion_ids.shape, head.hidden_size, dtype=head.weight.dtype, device=device)
         for indices, future in self._submit(self._score_chunk, prompt_ids, prompt_mask, completion_ids,
                                             completion_mask):
             for i, states in zip(indices, future.result(), strict=True):
