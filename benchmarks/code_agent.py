@@ -219,8 +219,9 @@ def grpo_main(args) -> None:
 
 
 def summary_main(args) -> None:
-    """One row per method: each seed's accuracy, the mean over seeds with the seeds' sample standard deviation, and
-    the standard error of that mean over all episodes pooled (binomial); tool calls and answered share averaged."""
+    """One row per method: each seed's accuracy; the accuracy over all its episodes pooled (the mean over seeds, as
+    each evaluates the same programs) with its binomial error and the seeds' sample standard deviation; tool calls
+    and the answered share averaged over seeds."""
     import glob
     import statistics
 
