@@ -404,6 +404,32 @@ def test_concurrent_episodes_stay_apart(env_server):
     assert sandbox_processes() == []
 
 
+def test_the_reference_as_teacher_check_through_the_server_shows_a_rollout_with_its_mask_and_kl_0(
+        env_server, tiny_agent, tmp_path, capsys, monkeypatch):
+    """The smoke test of the whole data flow (server -> rollout -> old log-probs -> reference-as-teacher log-probs),
+    as the real-model recipe's header runs it: `trl-opd check` with the recipe pointed at the running server, tiny
+    models in place of the Qwen pair."""
+    from trl_opd import cli
+    from trl_opd.envs.code_output import TOOL_INSTRUCTION, code_rows
+
+    dataset = tmp_path / "train.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n"
+                               for row in code_rows(4, seed=0, distinct=False, instruction=TOOL_INSTRUCTION)))
+    monkeypatch.setenv("OPD_ENV_SERVER_URL", env_server.url)
+    argv = ["check", "--config", "recipes/agent_code_env_cpu.yaml", "--model_name_or_path", str(tiny_agent / "student"),
+            "--teacher_model_name_or_path", str(tiny_agent / "teacher"), "--dataset_name", str(dataset),
+            "--output_dir", str(tmp_path / "unused")]
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(argv)
+    out = capsys.readouterr().out
+    assert exit_code.value.code == 0
+    assert "reference as teacher: opd/reverse_kl = 0.000000 (OK, 0 as expected)" in out
+    # a multi-turn rollout, its tool turn outside the mask (the tiny student calls its arithmetic tools, which the
+    # code environment answers with an error observation; the real models' run_python turns are in docs/multi-turn.md)
+    rollout = out.split("a sampled rollout; the student is trained on every completion token outside")[1]
+    assert "<|im_end|>⟦\n<|im_start|>tool\n" in rollout
+
+
 def test_a_client_without_a_server_url_says_how_to_give_one(monkeypatch):
     from trl_opd.envs.code_env.client import ENV_VAR, CodeToolClient
 
