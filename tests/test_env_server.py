@@ -424,8 +424,9 @@ def test_the_reference_as_teacher_check_through_the_server_shows_a_rollout_with_
     out = capsys.readouterr().out
     assert exit_code.value.code == 0
     assert "reference as teacher: opd/reverse_kl = 0.000000 (OK, 0 as expected)" in out
-    # a multi-turn rollout, its tool turn outside the mask (the tiny student calls its arithmetic tools, which the
-    # code environment answers with an error observation; the real models' run_python turns are in docs/multi-turn.md)
+    # a multi-turn rollout, its tool turn outside the mask (the tiny student calls its arithmetic tools, which GRPO's
+    # tool loop answers with a not-found error, run_python being the environment's only tool; the server is reached by
+    # every episode's reset; the real models' run_python turns are in docs/multi-turn.md)
     rollout = out.split("a sampled rollout; the student is trained on every completion token outside")[1]
     assert "<|im_end|>⟦\n<|im_start|>tool\n" in rollout
 
