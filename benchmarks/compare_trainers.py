@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--json", help="write every run's learning curve here")
+    parser.add_argument("--merge", action="store_true", help="add the new runs to those already in --json")
     parser.add_argument("--plot", help="write the figure here (PNG)")
     parser.add_argument("--from-json", help="print the table and plot from an earlier --json, without running")
     parser.add_argument("--one", nargs=3, metavar=("METHOD", "LR", "SEED"), help=argparse.SUPPRESS)
@@ -140,7 +141,7 @@ def main() -> None:
             if method not in grids:
                 parser.error(f"--method-rates {entry}: {method!r} is not one of the methods run ({args.methods})")
             grids[method] = [float(rate) for rate in rates.split(",")]
-        runs = []
+        runs = json.loads(Path(args.json).read_text()) if args.merge and Path(args.json).exists() else []
         for seed in args.seeds:
             for method, rates in grids.items():
                 for learning_rate in rates:
