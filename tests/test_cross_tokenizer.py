@@ -2,6 +2,7 @@
 template, and the refusals."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -421,6 +422,27 @@ def test_cross_tokenizer_configurations_that_cannot_work_are_refused(tiny, promp
     config = make_config(teacher_tokenizer_mode="cross", opd_estimator=None)
     config.resolve_estimator(str(tiny_other_teacher))
     assert config.opd_estimator == "sampled"
+
+
+@pytest.mark.parametrize("with_rewards", [False, True])
+def test_tokens_the_teacher_cannot_align_leave_the_teacher_s_terms_only(tiny, prompts, make_config,
+                                                                       tiny_other_teacher, with_rewards):
+    def length_reward(completions, **kwargs):
+        return [float(len(str(completion))) for completion in completions]
+
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny_other_teacher), train_dataset=prompts,
+                         reward_funcs=[length_reward] if with_rewards else None,
+                         args=make_config(teacher_tokenizer_mode="cross", num_generations=2 if with_rewards else 1))
+    sampled = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    output = {"action_mask": sampled, "tool_mask": sampled, "num_items_in_batch": sampled.sum()}
+    scores = SimpleNamespace(aligned=torch.tensor([[True, False, True, True], [True] * 4]),
+                             text_chunk_ends=torch.tensor([[False, False, True, False], [False, True, False, True]]))
+    distilled = trainer._restrict_action_mask(output, scores)
+    assert distilled.tolist() == [[1, 0, 1, 0], [1, 1, 1, 1]] and output["action_mask"] is distilled
+    # GRPO's mask: without rewards the teacher's objective is the whole loss, over the distilled tokens; with rewards
+    # its reward term trains every token the student sampled (old main dropped the unaligned one from it too)
+    expected = sampled if with_rewards else distilled
+    assert torch.equal(output["tool_mask"], expected) and output["num_items_in_batch"] == expected.sum()
 
 
 def test_text_prompts_are_tokenised_by_the_teacher(tiny, make_config, tiny_other_teacher):

@@ -339,6 +339,24 @@ def test_dense_loss_is_the_kl_of_the_sampling_student_and_the_tempered_teacher(t
     assert first["loss"] == pytest.approx(expected, rel=1e-4)  # the dense term alone, dapo-normalised
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo"])
+def test_the_dense_term_is_summed_as_the_loss_type_sums_the_policy_term(tiny, prompts, make_config, loss_type):
+    # old main normalised the dense term as 'dapo' whatever the loss_type, so the two terms added on different scales
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                         args=make_config(opd_estimator="full", max_steps=1, loss_type=loss_type))
+    kls = _exact_kl_of_each_batch(trainer)
+    trainer.train()
+    (kl, mask), = kls
+    kl, lengths = torch.where(mask, kl, 0.0), mask.sum(-1)
+    expected = {"grpo": (kl.sum(-1) / lengths.clamp(min=1)).mean(),  # each completion's mean, then their mean
+                "dr_grpo": kl.sum() / (kl.size(0) * trainer.args.max_completion_length),  # a constant
+                "bnpo": kl.sum() / mask.sum()}[loss_type]  # one process, one micro-batch: all its tokens
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(expected.item(), rel=1e-4)
+    dapo = (kl.sum() / mask.sum()).item()
+    if loss_type != "bnpo":  # the completions differ in length, so the sums differ from dapo's: the check can fail
+        assert abs(expected.item() - dapo) > 1e-3 * dapo
+
+
 @pytest.fixture(scope="module")
 def softcapped_pair(tokenizer, tmp_path_factory):
     """A tiny Gemma-2 student and teacher over the tiny tokenizer, LM heads scaled up so the soft cap (5) acts."""

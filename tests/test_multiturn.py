@@ -105,6 +105,19 @@ def test_teacher_scores_actions_with_the_whole_sequence_as_context(tiny, prompts
     torch.testing.assert_close(scores.logps[actions], expected[actions], atol=1e-5, rtol=1e-5)
 
 
+def test_grpo_reads_a_rollout_s_action_mask_as_its_env_mask(tiny, prompts, make_config):
+    # GRPO computes from its mask of sampled tokens before this package reads the batch: vLLM's importance-sampling
+    # ratio (old main summed it over the observations too, which can mask a whole multi-turn row out) and the logged
+    # completion lengths, which show the mask it read
+    trainer = _trainer(tiny, prompts, make_config)
+    rows, batch = _batch(trainer, prompts)
+    lengths = [int(batch["completion_mask"][i].sum()) if row["action_mask"] is None else sum(row["action_mask"])
+               for i, row in enumerate(rows)]
+    assert sum(lengths) < batch["completion_mask"].sum()  # the observations are left out: the check can fail
+    mode = "train" if trainer.model.training else "eval"
+    assert trainer._metrics[mode]["completions/mean_length"][-1] == pytest.approx(sum(lengths) / len(lengths))
+
+
 def test_mixed_batch_trains_with_the_fallback_mask_on_rows_without_one(tiny, prompts, make_config):
     trainer = _trainer(tiny, prompts, make_config, max_steps=2)
     rows, batch = _batch(trainer, prompts)

@@ -417,6 +417,16 @@ OPTIONS_THAT_DO_NOTHING = {
     "opd_loss_coef without rewards": (dict(opd_loss_coef=0.5), "there are none"),
     "no signal at all": (dict(opd_estimator="sampled", opd_coef=0.0), "Nothing to learn from"),
     "no dense weight": (dict(opd_estimator="full", opd_dense_coef=0.0), "Nothing to learn from"),
+    # GRPO's own options that shape its policy-gradient term: with the dense term alone every advantage is 0
+    "entropy mask with the dense term alone": (dict(opd_estimator="full", top_entropy_quantile=0.2),
+                                               "top_entropy_quantile=0.2 shapes GRPO's policy-gradient term"),
+    "off-policy mask with the dense term alone": (dict(opd_estimator="topk", off_policy_mask_threshold=0.5),
+                                                  "off_policy_mask_threshold=0.5 shapes GRPO's policy-gradient"),
+    "two-sided clip with the dense term alone": (dict(opd_estimator="full", delta=2.0), "delta=2.0 shapes GRPO's"),
+    "sequence-level ratio with the dense term alone": (dict(opd_estimator="full", importance_sampling_level="sequence"),
+                                                       "importance_sampling_level='sequence' shapes GRPO's"),
+    "reward combination without rewards": (dict(opd_reward_combination="advantage"), "and there are none"),
+    "route column without routed teachers": (dict(teacher_route_column="route"), "none are set"),
 }
 
 
@@ -425,6 +435,38 @@ def test_an_option_the_configuration_would_ignore_is_refused(tiny, prompts, make
     with pytest.raises(ValueError, match=message):
         OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
                    args=make_config(**overrides))
+
+
+def test_grpo_s_policy_options_are_taken_where_the_sampled_term_gives_them_advantages(tiny, prompts, make_config):
+    # the refusals above are for the dense term alone: beside the sampled-token term the options shape that term
+    for options in (dict(top_entropy_quantile=0.2), dict(off_policy_mask_threshold=0.5), dict(delta=2.0)):
+        trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                             args=make_config(opd_estimator="full", opd_coef=1.0, **options))
+        assert all(getattr(trainer.args, name) == value for name, value in options.items())
+
+
+def test_a_reference_teacher_that_follows_the_student_is_refused(tiny, prompts, make_config):
+    # sync_ref_model pulls GRPO's reference copy, which ref_as_teacher reads, towards the student (old main let it:
+    # the teacher drifted into the student)
+    with pytest.raises(ValueError, match="ref_as_teacher reads that reference as the teacher"):
+        OPDTrainer(model=str(tiny / "student"), train_dataset=prompts,
+                   args=make_config(ref_as_teacher=True, sync_ref_model=True, beta=0.04,
+                                    teacher_system_prompt="Answer with one number."))
+
+
+def test_the_reference_teacher_scores_in_forwards_of_teacher_batch_size(tiny, prompts, make_config):
+    trainer = OPDTrainer(model=str(tiny / "student"), train_dataset=prompts,
+                         args=make_config(max_steps=1, ref_as_teacher=True, teacher_batch_size=1,
+                                          teacher_system_prompt="Answer with one number."))
+    sizes, original = [], trainer._get_per_token_logps_and_entropies
+
+    def recorded(model, input_ids, *args, batch_size=None, **kwargs):
+        sizes.append((len(input_ids), batch_size))
+        return original(model, input_ids, *args, batch_size=batch_size, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = recorded
+    trainer.train()
+    assert (4, 1) in sizes  # the teacher's pass: 4 sequences, 1 a forward (old main: 4, the training batch size)
 
 
 def test_importance_sampling_with_summed_advantages_is_refused(tiny, prompts, make_config):

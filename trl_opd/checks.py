@@ -128,8 +128,17 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
             "teacher_temperature does not apply to ref_as_teacher / student_as_teacher: the student as its own "
             "teacher scores at its sampling `temperature`, so that it starts equal to its teacher."
         )
+    if args.ref_as_teacher and args.sync_ref_model:
+        raise ValueError(
+            "sync_ref_model moves GRPO's reference model towards the student, and ref_as_teacher reads that "
+            "reference as the teacher: the teacher would drift to the student. Remove sync_ref_model; for a "
+            "teacher that follows the student, use student_as_teacher: ema."
+        )
     if args.teachers:
         check_routes(datasets, args)
+    elif args.teacher_route_column != "teacher":
+        raise ValueError(f"teacher_route_column={args.teacher_route_column!r} routes rows among `teachers`, and "
+                         "none are set. Remove it, or set teachers.")
     check_options_apply(args, has_rewards=bool(reward_funcs))
     check_teacher_loading(teacher_model, args)
     if args.student_as_teacher:
@@ -169,6 +178,23 @@ def check_options_apply(args, *, has_rewards: bool) -> None:
                     f"{option} shapes the sampled-token term, which opd_coef=0 switches off (the default with "
                     f"opd_estimator={args.opd_estimator!r}). Set opd_coef > 0 to add that term, or remove the option."
                 )
+    if not sampled_term and not has_rewards:
+        # every advantage is 0: GRPO's options that shape its policy-gradient term would multiply nothing
+        for option, active in (
+                (f"top_entropy_quantile={args.top_entropy_quantile}", args.top_entropy_quantile < 1.0),
+                (f"off_policy_mask_threshold={args.off_policy_mask_threshold}",
+                 args.off_policy_mask_threshold is not None),
+                (f"delta={args.delta}", args.delta is not None),
+                (f"importance_sampling_level={args.importance_sampling_level!r}",
+                 args.importance_sampling_level != "token")):
+            if active:
+                raise ValueError(
+                    f"{option} shapes GRPO's policy-gradient term, which has nothing to act on here: opd_coef is 0 "
+                    f"(no sampled-token term) and there are no reward functions, so every advantage is 0 and the "
+                    f"dense term of opd_estimator={args.opd_estimator!r} is the whole objective. Set opd_coef > 0 to "
+                    "add the sampled-token term (the option then shapes it), add reward functions, or remove the "
+                    "option."
+                )
     if args.opd_divergence_beta != 1.0 and not dense_term:
         raise ValueError(
             f"opd_divergence_beta={args.opd_divergence_beta} chooses the dense term's divergence, and "
@@ -181,6 +207,11 @@ def check_options_apply(args, *, has_rewards: bool) -> None:
             f"opd_skip_first_tokens={args.opd_skip_first_tokens} leaves tokens out of the teacher's terms, and with "
             "reward functions GRPO's objective shares the mask of the tokens it trains: they would leave the reward's "
             "term too. Remove it, or train on the teacher alone."
+        )
+    if not has_rewards and args.opd_reward_combination != "loss":
+        raise ValueError(
+            f"opd_reward_combination={args.opd_reward_combination!r} says how reward functions combine with the "
+            "teacher, and there are none. Remove it, or add reward_funcs."
         )
     if not has_rewards and args.opd_loss_coef != 1.0:
         raise ValueError(

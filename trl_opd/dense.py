@@ -135,8 +135,8 @@ class DenseLossMixin:
         logps = valid_logps.new_zeros(mask.shape).masked_scatter(valid, valid_logps)
         self._use_loss_forward_logps(inputs, logps)
         mode = "train" if self.model.training else "eval"
-        mean_entropy = valid_entropy.sum() / mask.sum().clamp(min=1.0)
-        self._metrics[mode]["entropy"].append(self.accelerator.gather(mean_entropy).nanmean().item())
+        totals = self.accelerator.reduce(torch.stack([valid_entropy.sum(), mask.sum().float()]), "sum")
+        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())  # all processes' tokens
 
     @property
     def _dense_weight(self) -> float:
@@ -148,8 +148,8 @@ class DenseLossMixin:
 
     def _dense_loss(self, inputs, student_hidden, student) -> torch.Tensor:
         """The divergence of `opd_divergence_beta` (the reverse KL by default) over the vocabulary ('full': exact;
-        'topk': the teacher's top-k plus a tail bucket) at every completion position, normalised like GRPO's 'dapo'
-        loss (by the generation batch's token count), so it adds to the policy term on the same scale."""
+        'topk': the teacher's top-k plus a tail bucket) at every completion position, aggregated as GRPO's `loss_type`
+        aggregates its policy term (`_aggregate_as_policy_loss`), so the two add on the same scale."""
         mode = "train" if self.model.training else "eval"
         num_completion = inputs["completion_ids"].size(1)
         mask = inputs["action_mask"]  # the tokens the student sampled (see multiturn.action_mask)
@@ -174,11 +174,26 @@ class DenseLossMixin:
                                  mask if route is None else mask.bool() & (route == number)[:, None], beta=beta)
                 for number, head in enumerate(self._whole_teacher_heads())
             )  # (B, T)
+        totals = self.accelerator.reduce(torch.stack([per_token.detach().sum(), mask.sum().float()]), "sum")
+        self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return self._aggregate_as_policy_loss(per_token, mask, inputs, mode)
+
+    def _aggregate_as_policy_loss(self, per_token, mask, inputs, mode: str) -> torch.Tensor:
+        """`per_token` (B, T), 0 off `mask`, summed into a loss as GRPO's `loss_type` sums its policy term (and for
+        gradient accumulation alike), so that the two add on one scale whichever the `loss_type`."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.loss_type in ("grpo", "sapo"):  # each sequence's mean, then their mean
+            return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+        if self.loss_type == "bnpo":  # this process's micro-batch's tokens
+            return per_token.sum() / mask.sum().clamp(min=1.0) / accumulation
+        if self.loss_type == "dr_grpo":  # a constant: sequences times the longest completion
+            return per_token.sum() / (per_token.size(0) * self.max_completion_length) / accumulation
+        if self.loss_type == "luspo":  # each sequence's sum, then their mean
+            return per_token.sum(-1).mean() / accumulation
+        # 'dapo', 'cispo', 'vespo': the generation batch's tokens, on all processes
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        totals = self.accelerator.reduce(torch.stack([per_token.detach().sum(), mask.sum().float()]), "sum")
-        self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
         return per_token.sum() / normalizer
 
     # ------------------------------------------------------------------ provided by OPDTrainer's other bases

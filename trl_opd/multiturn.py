@@ -12,6 +12,7 @@ returns ids, so what is scored is exactly what was sampled.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -46,6 +47,29 @@ def action_mask(inputs: list[dict], completion_mask: torch.Tensor, tool_mask: to
             continue
         mask[i, :length] = torch.as_tensor(given, dtype=mask.dtype, device=mask.device)
     return mask
+
+
+def action_mask_as_env_mask(rollout_func):
+    """`rollout_func`, its rows' `action_mask` also given to GRPO as `env_mask` (rows without one: every token), so
+    that what GRPO computes from the mask of sampled tokens before this package reads it (vLLM's importance-sampling
+    ratio, the logged completion lengths) leaves the observations out too. A rollout that returns its own `env_mask`
+    is left as it is."""
+    if rollout_func is None:
+        return None
+
+    @functools.wraps(rollout_func)
+    def rollout(prompts, trainer):
+        output = rollout_func(prompts, trainer)
+        masks = output.get("action_mask")
+        if masks is None or "env_mask" in output:
+            return output
+        env_mask = []  # one entry per completion token, as GRPO pads it (a wrong length is refused by `action_mask`)
+        for mask, ids in zip(masks, output["completion_ids"], strict=True):
+            mask = [1] * len(ids) if mask is None else list(mask)[: len(ids)]
+            env_mask.append(mask + [0] * (len(ids) - len(mask)))
+        return {**output, "env_mask": env_mask}
+
+    return rollout
 
 
 def skip_first(mask: torch.Tensor, count: int) -> torch.Tensor:

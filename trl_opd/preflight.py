@@ -24,7 +24,8 @@ _REFERENCE_PASS = dict(
     ref_as_teacher=True, opd_estimator="sampled", opd_coef=None, opd_divergence_beta=1.0, opd_dense_coef=None,
     opd_topk=None,
     teacher_model_name_or_path=None, teacher_server_url=None, student_as_teacher=None, teacher_ema_rate=None,
-    teacher_ema_steps=None, teachers=None, teacher_model_init_kwargs=None,
+    teacher_ema_steps=None, teachers=None, teacher_route_column="teacher", teacher_model_init_kwargs=None,
+    sync_ref_model=False,  # one step: GRPO's reference, the teacher here, would not move, and it is refused with it
     teacher_adapter_name_or_path=None, teacher_temperature=1.0, teacher_system_prompt=None,
     teacher_prompt_template=None, teacher_prompt_column=None,
     teacher_tokenizer_mode="same", teacher_tokenizer_name_or_path=None,

@@ -27,7 +27,7 @@ from .dense import DenseLossMixin
 from .hub import HubMixin
 from .loss import shared_temperature
 from .metrics import OPDMetricsMixin
-from .multiturn import action_mask, check_environments, set_tool_call_parser, skip_first
+from .multiturn import action_mask, action_mask_as_env_mask, check_environments, set_tool_call_parser, skip_first
 from .overlap import OverlapScoringMixin
 from .policy import PolicyObjectiveMixin
 from .runs import RunSafetyMixin
@@ -42,8 +42,7 @@ from .teachers.local import freeze_teacher
 from .teachers.reference import ReferenceTeacher
 from .teachers.routed import RoutedTeacher
 
-# Metrics GRPO derives from rewards; meaningless (all NaN or 0) when the teacher is the only signal
-_REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")
+_REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")  # GRPO's; meaningless with the teacher alone
 # A KL weight that makes GRPO build its reference model, which the reference teacher reads; reset to 0 right after
 _BUILD_REFERENCE_BETA = 1e-12
 
@@ -69,11 +68,10 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         peft_config: a PEFT config to train an adapter instead of the full student.
         accuracy_func: a GRPO-style reward function scoring each completion 1 (correct) or 0, logged as `accuracy`
             (and `eval_accuracy` in evaluation) and never trained on.
-        tools / environment_factory / rollout_func: GRPO's multi-turn paths, unchanged. Only the tokens the student
-            sampled are distilled: GRPO's tool mask, or an `action_mask` a rollout function returns per row (see
-            `_action_mask`). An environment's `get_reward` joins the reward functions, as in GRPO. A teacher with
-            another tokenizer reads the observations through its own template, from the tool loop's messages or a
-            rollout function's `completion_messages` per row (see `_completion_messages`).
+        tools / environment_factory / rollout_func: GRPO's multi-turn paths. Only the tokens the student sampled are
+            distilled: GRPO's tool mask, or an `action_mask` a rollout function returns per row (GRPO's `env_mask`
+            too; see `_action_mask`). An environment's `get_reward` joins the reward functions. A teacher with another
+            tokenizer reads the observations through its own template (see `_completion_messages`).
         teacher_processing_class: the teacher's tokenizer, for the compatibility check; loaded from the teacher's
             path when omitted (and taken to be the student's for a teacher model with no path). In cross mode, the
             tokenizer the teacher reads the text with (every routed teacher's, if routed).
@@ -148,7 +146,7 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
                 peft_config=peft_config,
                 tools=tools,
                 environment_factory=environment_factory,
-                rollout_func=rollout_func,
+                rollout_func=action_mask_as_env_mask(rollout_func),
             )
         finally:
             args.beta = user_beta
@@ -165,9 +163,8 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
 
             self.vllm_generation.sync_weights = partial(sync_by_reload, self.vllm_generation)
         if self.use_vllm and self.vllm_importance_sampling_correction and self._policy_term_always_zero():
-            # vLLM's importance-sampling correction reweights GRPO's policy term, which a dense term alone makes 0:
-            # GRPO's extra forward for the old log-probs would buy nothing (the sampler's log-prob gap is still
-            # logged, from the loss forward)
+            # vLLM's importance-sampling correction reweights GRPO's policy term, which a dense term alone makes 0: its
+            # extra forward for the old log-probs would buy nothing (the sampler's gap is logged from the loss forward)
             self.vllm_importance_sampling_correction = False
         self.accuracy_func = accuracy_func
         self.teacher_processing_class = teacher_processing_class
@@ -241,21 +238,22 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
 
     def _reference_logps(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
         """Log-probs of the student's starting point: GRPO's reference model, or the student with its adapter off."""
-        model, adapter = self.model, None
+        model, adapter, size = self.model, None, self.args.teacher_batch_size  # the teacher's sequences per forward
         if self.ref_model is not None:
             model = self.ref_model
         elif "ref" in self.accelerator.unwrap_model(self.model).peft_config:
             adapter = "ref"  # a student that came with a trained adapter: GRPO keeps a frozen copy as "ref"
         if model is self.model:
             with use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=adapter):
-                return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep)
-        return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep)
+                return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep, size)
+        return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep, size)
 
-    def _no_grad_logps(self, model, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+    def _no_grad_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None) -> torch.Tensor:
         """Per-token log-probs of the last `logits_to_keep` tokens under `model`, without gradient, (B, T)."""
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
+                model, input_ids, attention_mask, logits_to_keep,
+                batch_size=batch_size or self.args.per_device_train_batch_size,
             )
         return logps
 
@@ -343,6 +341,9 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
             self._metrics[mode]["opd/aligned_chunk_tokens_mean"].append(aligned_count / chunks)
         self._metrics[mode]["opd/unaligned_token_fraction"].append(1.0 - aligned_count / max(sampled_count, 1.0))
         output["sampled_mask"] = sampled  # what the student sampled, aligned or not (`trl-opd check` shows it)
+        if self.reward_funcs:  # GRPO's reward term trains every sampled token; the teacher's advantage is 0 off `mask`
+            output["action_mask"] = mask
+            return mask
         return self._set_action_mask(output, mask)
 
     def _set_action_mask(self, output, mask: torch.Tensor) -> torch.Tensor:
