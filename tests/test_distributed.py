@@ -4,7 +4,8 @@ Each test trains 3 steps with 2 processes x 8 rows and with 1 process x 16 rows 
 decoding, so a completion does not depend on the process that samples it), and compares the two in float32: every
 logged loss, gradient norm and KL to a relative 1e-4 (measured: at most 3e-6), and every trained tensor after the 3
 steps to 1e-2 of its largest entry (measured: up to 3e-3, on one element of LoRA's near-zero B matrices, where Adam's
-normalised step magnifies round-off). `zero3_cpu.json` partitions every tensor, the LM heads included, as on a real model.
+normalised step magnifies round-off). `zero3_cpu.json` partitions every tensor, the LM heads included, as on a real
+model.
 """
 
 import json
