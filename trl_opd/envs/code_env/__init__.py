@@ -3,11 +3,12 @@
 The agent may run Python snippets with a `run_python` tool, in a sandbox on the server, before it answers what a
 program prints (scored by `trl_opd.envs.code_output.printed_output_reward`).
 
-    trl-opd serve-env --port 8765                      # as root: sandbox.py says what it confines and how
+    trl-opd serve-env --port 8765                      # sandbox.py says what it confines and what it needs
     export OPD_ENV_SERVER_URL=http://127.0.0.1:8765
     # recipe: environment_factory: trl_opd.envs.code_env.CodeToolClient
 
-Modules: `sandbox.py` (running snippets confined), `models.py` (wire types), `environment.py` (episodes, turn limit,
+Modules: `sandbox.py` (running snippets confined; `sandbox_init.py` its init, `seccomp.py` its system call
+filter, `cgroups.py` its budget), `models.py` (wire types), `environment.py` (episodes, turn limit,
 output format), `server.py` (the app and its command), `client.py` (OpenEnv's client and the GRPO environment class).
 Importing this package is cheap; `CodeToolClient` and `EnvServerError` load OpenEnv on first use.
 """

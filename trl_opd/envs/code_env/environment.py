@@ -7,7 +7,9 @@ arguments={"code": ...})`, which runs the snippet in a fresh sandbox (`sandbox.p
 - the snippet's stdout, then its stderr, cut to `max_output` characters (`--max-output`, default 1024) followed by
   `[output truncated: the first N characters are shown]` when longer;
 - then one note on how it ended, if not normally: `[killed: ran past the time limit of S s]`, `[killed: used more than
-  the CPU time limit of S s]`, `[killed by signal NAME]`, or `[exit code N]` (Python's traceback is in stderr).
+  the CPU time limit of S s]` (all its processes together), `[killed: used more than the memory limit of M MiB]`
+  (where a cgroup holds the snippet), `[killed by signal NAME]`, or `[exit code N]` (Python's traceback is in
+  stderr).
 
 Every call counts as a turn, refused or not. The call that reaches `max_turns` (`--max-turns`, default 8) runs and
 ends the episode (`done`); calls after it, calls before any reset, an unknown tool name, and arguments other than one
@@ -17,6 +19,7 @@ string `code` are answered with an error observation (`error` set, nothing run) 
 from __future__ import annotations
 
 import signal
+import threading
 import uuid
 
 from openenv.core.env_server.interfaces import Environment
@@ -28,7 +31,8 @@ from .sandbox import RunResult, Sandbox
 TRUNCATED = "[output truncated: the first {limit} characters are shown]"
 
 
-def format_output(result: RunResult, *, max_output: int, wall_s: float, cpu_s: int) -> tuple[str, bool]:
+def format_output(result: RunResult, *, max_output: int, wall_s: float, cpu_s: int, memory_mb: int = 0
+                  ) -> tuple[str, bool]:
     """What the agent sees of a run, and whether it was truncated (see the module docstring)."""
     text = result.stdout
     if result.stderr:
@@ -39,8 +43,10 @@ def format_output(result: RunResult, *, max_output: int, wall_s: float, cpu_s: i
     code = result.exit_code
     if result.timed_out:
         notes.append(f"[killed: ran past the time limit of {wall_s:g} s]")
-    elif code == -signal.SIGXCPU or (code == -signal.SIGKILL and (result.cpu_s or 0) >= cpu_s):
+    elif result.over_cpu or code == -signal.SIGXCPU:
         notes.append(f"[killed: used more than the CPU time limit of {cpu_s} s]")
+    elif result.out_of_memory:
+        notes.append(f"[killed: used more than the memory limit of {memory_mb} MiB]")
     elif code is not None and code < 0:
         notes.append(f"[killed by signal {signal.Signals(-code).name}]")
     elif code:
@@ -67,7 +73,9 @@ class CodeToolEnvironment(Environment[ToolCall, ToolResult, CodeToolState]):
                                     max_turns=self.max_turns)
         return ToolResult(max_turns=self.max_turns)
 
-    def step(self, action: ToolCall, timeout_s: float | None = None, **kwargs) -> ToolResult:
+    def step(self, action: ToolCall, timeout_s: float | None = None, cancel: threading.Event | None = None,
+             **kwargs) -> ToolResult:
+        """One tool call; `cancel`, when set by the server, kills its snippet (the client went away)."""
         state = self._state
         if state is None:
             return self._refuse("No episode: reset the environment before calling a tool.", turn=0, done=True)
@@ -84,11 +92,11 @@ class CodeToolEnvironment(Environment[ToolCall, ToolResult, CodeToolState]):
             return self._refuse("run_python takes one argument, `code` (Python source, a string); got "
                                 f"{sorted(action.arguments)}.", turn=state.step_count, done=state.done)
         try:
-            result = self.sandbox.run(code)
+            result = self.sandbox.run(code, cancel)
         except ValueError as error:  # a snippet over the size limit
             return self._refuse(str(error), turn=state.step_count, done=state.done)
         output, truncated = format_output(result, max_output=self.max_output, wall_s=self.sandbox.wall_s,
-                                          cpu_s=self.sandbox.cpu_s)
+                                          cpu_s=self.sandbox.cpu_s, memory_mb=self.sandbox.memory_mb)
         return ToolResult(output=output, exit_code=result.exit_code, timed_out=result.timed_out,
                           truncated=truncated, cpu_s=result.cpu_s, turn=state.step_count, max_turns=self.max_turns,
                           done=state.done)
