@@ -111,3 +111,19 @@ def test_reward_functions_load_by_name_or_import_path():
         recipe.load_reward_funcs(["no_such_module.f"])
     completions = [[{"role": "assistant", "content": "3 plus 4 is 7. The answer is 7."}], "It is 8."]
     assert arithmetic_answer_reward(completions, answer=["... The answer is 7.", "The answer is 7."]) == [1.0, 0.0]
+
+
+def test_the_eval_summary_shows_a_metric_logged_as_none_as_not_applicable():
+    # GRPO logs None for a metric with no valid value (a checker that returned None for every held-out completion)
+    from types import SimpleNamespace
+
+    printed = []
+    history = [{"step": 0, "eval_loss": 0.0, "eval_accuracy": None, "eval_opd/reverse_kl": 0.5},
+               {"step": 4, "eval_loss": 0.0, "eval_accuracy": 0.25, "eval_opd/reverse_kl": 0.125}]
+    trainer = SimpleNamespace(state=SimpleNamespace(log_history=history, global_step=4),
+                              accelerator=SimpleNamespace(print=printed.append))
+    cli.print_eval_summary(trainer)
+    assert printed[0].splitlines()[1:] == [
+        f"  {'accuracy':<38}      n/a ->   0.2500",
+        f"  {'reverse KL (sampled tokens)':<38}   0.5000 ->   0.1250",
+    ]

@@ -179,3 +179,28 @@ def test_push_command_and_merged_weights(tiny, tmp_path, unreachable_hub):
         cli.main(["push", str(adapter_dir), "--repo-id", "me/x", "--merge"])
     with pytest.raises(FileNotFoundError, match="holds no saved model or adapter"):
         push(tmp_path / "empty", "me/x")
+
+
+def test_a_reward_that_applies_to_no_completion_shows_as_not_applicable_in_the_card(tiny, prompts, make_config):
+    # GRPO logs None for a metric all of whose values are NaN, a reward function's None ("not applicable") for every
+    # completion: the card written with each checkpoint shows it as n/a, and the facts behind the card keep it null
+    import json
+
+    from trl_opd import OPDTrainer
+
+    def not_applicable(completions, **kwargs):
+        return [None] * len(completions)
+
+    config = make_config(max_steps=2, num_generations=2, save_strategy="steps", save_steps=1)
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=config,
+                         train_dataset=prompts, reward_funcs=[not_applicable])
+    trainer.train()
+    output_dir = Path(config.output_dir)
+    assert (output_dir / "checkpoint-2" / "trainer_state.json").exists()
+    logged = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
+    assert [entry["rewards/not_applicable/mean"] for entry in logged] == [None, None]
+    card = (output_dir / "README.md").read_text()
+    assert "| `step` | 2 |" in card
+    assert "| `rewards/not_applicable/mean` | n/a |" in card and "| `reward` | n/a |" in card
+    assert "None" not in card.split("## Final metrics")[1]
+    assert json.loads((output_dir / "opd_training.json").read_text())["metrics"]["reward"] is None

@@ -196,6 +196,36 @@ def test_a_used_output_dir_is_refused_unless_resuming_or_overwriting(tiny, promp
     assert resumed.state.global_step == 3
 
 
+def test_a_new_run_logging_completions_claims_its_own_output_dir_and_still_refuses_another_runs(
+        tiny, prompts, make_config, tmp_path):
+    from trl_opd import OPDTrainer
+
+    def trainer(output_dir):  # GRPO's constructor makes output_dir/completions for the completion tables
+        config = make_config(output_dir=str(output_dir), max_steps=2, log_completions=True, save_strategy="steps",
+                             save_steps=2)
+        return OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=config,
+                          train_dataset=prompts)
+
+    fresh = tmp_path / "fresh"
+    run = trainer(fresh)
+    assert sorted(p.name for p in fresh.iterdir()) == ["completions"]
+    run.train()
+    assert run.state.global_step == 2
+    assert sorted(p.name for p in (fresh / "completions").iterdir()) == ["completions_00001.parquet",
+                                                                        "completions_00002.parquet"]
+
+    # the finished run's directory, or one holding only another run's completion tables, is another run's
+    finished = r"already holds files \(README.md, checkpoint-2, completions, opd_training.json\)"
+    with pytest.raises(FileExistsError, match=finished):
+        trainer(fresh).train()
+    tables_only = tmp_path / "tables_only"
+    (tables_only / "completions").mkdir(parents=True)
+    (tables_only / "completions" / "completions_00001.parquet").write_bytes(b"another run's table")
+    with pytest.raises(FileExistsError, match=r"already holds files \(completions\)"):
+        trainer(tables_only).train()
+    assert [p.name for p in (tables_only / "completions").iterdir()] == ["completions_00001.parquet"]  # untouched
+
+
 def _jsonl(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)

@@ -1,5 +1,6 @@
 """OPDTrainer end to end on the tiny pair: the loss by hand, training runs, metrics, and the failures users hit."""
 
+import inspect
 import math
 
 import pytest
@@ -250,3 +251,97 @@ def test_completion_tokens_are_counted_once_per_generation_batch(tiny, prompts, 
               if "data/completion_tokens_total" in entry]
     assert len(counted) == 2
     assert totals[-1] == sum(counted)
+
+
+# ---------------------------------------------------------------------------------------------- GRPO's arguments
+
+
+def test_every_grpo_constructor_argument_is_accepted_and_passed_on(tiny, prompts, make_config, monkeypatch):
+    # a GRPOTrainer(...) call ported to OPDTrainer must keep working: every argument reaches GRPO's constructor, here
+    # recorded and stopped there. A TRL release that adds one fails this until OPD takes it too.
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    from trl_opd.tiny import arithmetic_answer_reward
+
+    class Recorded(Exception):
+        pass
+
+    received = {}
+
+    def record(self, **kwargs):
+        received.update(kwargs)
+        raise Recorded
+
+    class Environment:
+        def reset(self, **kwargs):
+            return None
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first. b: the second.
+        """
+        return a + b
+
+    def rollout(prompts, trainer):
+        return {}
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "student")
+    tokenizer.response_template = object()  # stands in for a tool-call parser, which tools require of the tokenizer
+    given = dict(
+        model=str(tiny / "student"), reward_funcs=[arithmetic_answer_reward], args=make_config(num_generations=2),
+        train_dataset=prompts, eval_dataset=prompts.select(range(4)), processing_class=tokenizer,
+        reward_processing_classes=[object()], callbacks=[object()], optimizers=(object(), object()),
+        quantization_config=object(), peft_config=object(), tools=[add], rollout_func=rollout,
+        environment_factory=Environment,
+    )
+    grpo_parameters = [name for name in inspect.signature(GRPOTrainer.__init__).parameters if name != "self"]
+    assert sorted(given) == sorted(grpo_parameters)  # the test gives each of GRPO's arguments a value of its own
+    assert [name for name in grpo_parameters if name not in inspect.signature(OPDTrainer.__init__).parameters] == []
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", record)
+    with pytest.raises(Recorded):
+        OPDTrainer(teacher_model=str(tiny / "teacher"), **given)
+    assert sorted(received) == sorted(grpo_parameters)
+    assert received.pop("reward_funcs") == given["reward_funcs"]  # a copy of the list
+    assert received.pop("rollout_func").__wrapped__ is rollout  # wrapped by `action_mask_as_env_mask`
+    assert {name: value for name, value in received.items() if value is not given[name]} == {}
+
+
+def test_a_reward_model_reads_the_completions_with_its_own_tokenizer(tiny, prompts, make_config):
+    # a reward model of another family than the student: GRPO renders each conversation with the tokenizer given for
+    # it in reward_processing_classes (its chat template, its ids), never the student's
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+
+    from trl_opd.tiny import other_family_tokenizer
+
+    reward_tokenizer = other_family_tokenizer()
+    torch.manual_seed(0)
+    reward_model = Qwen3ForSequenceClassification(Qwen3Config(
+        vocab_size=len(reward_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=1))
+    trainer = _trainer(tiny, prompts, make_config(max_steps=1, num_generations=2), reward_funcs=[reward_model],
+                       reward_processing_classes=[reward_tokenizer])
+    assert trainer.reward_processing_classes == [reward_tokenizer]
+    read = []
+    trainer.reward_funcs[0].register_forward_pre_hook(
+        lambda module, args, kwargs: read.append((kwargs["input_ids"], kwargs["attention_mask"])), with_kwargs=True)
+    trainer.train()
+
+    (input_ids, attention_mask), = read
+    assert input_ids.shape[0] == 4
+    student_tokenizer = AutoTokenizer.from_pretrained(tiny / "student")
+    for ids, mask in zip(input_ids, attention_mask, strict=True):
+        ids = ids[mask.bool()].tolist()
+        text = reward_tokenizer.decode(ids)
+        assert text.startswith("<|user|>\nWhat is ") and "<|end|>\n<|assistant|>\n" in text  # its own template
+        assert "<|im_start|>" not in text
+        assert reward_tokenizer(text, add_special_tokens=False).input_ids == ids  # its own ids
+        assert student_tokenizer(text, add_special_tokens=False).input_ids != ids
+
+
+def test_reward_processing_classes_without_reward_functions_are_refused(tiny, prompts, make_config, tokenizer):
+    with pytest.raises(ValueError, match="reward_processing_classes .* reward_funcs"):
+        _trainer(tiny, prompts, make_config(), reward_processing_classes=[tokenizer])

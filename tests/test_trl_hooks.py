@@ -70,3 +70,11 @@ def test_the_vllm_and_hub_pieces_we_hook_into():
     assert _params(Trainer.init_hf_repo) == ["self", "token", "private"]
     assert _params(Trainer._push_from_checkpoint) == ["self", "checkpoint_folder"]
     assert "self.create_model_card(model_name=model_name, **kwargs)" in inspect.getsource(Trainer.push_to_hub)
+
+
+def test_what_grpo_logs_and_makes_that_opd_reads_around_it():
+    # a metric with no valid value in the logging window is logged as None (shown as not applicable in the card)
+    assert "metrics[key] = sum(valid) / len(valid) if valid else None" in inspect.getsource(GRPOTrainer.log)
+    # log_completions: the constructor makes output_dir/completions, which a new run's output_dir check allows
+    assert 'os.makedirs(os.path.join(self.args.output_dir, "completions"), exist_ok=True)' in inspect.getsource(
+        GRPOTrainer.__init__)

@@ -67,12 +67,14 @@ def _check_checkpoint_weights(checkpoint) -> None:
                          f"{previous}.") from None
 
 
-def old_checkpoints(output_dir: str | Path, *, overwrite: bool) -> list[Path]:
+def old_checkpoints(output_dir: str | Path, *, overwrite: bool, own: tuple[str, ...] = ()) -> list[Path]:
     """The checkpoints a new (not resumed) run in `output_dir` must delete before it starts; raises if the directory
     holds anything and `overwrite` is not set: the new run's checkpoints would mix with the old ones, and a later
-    resume could load the old run's newest."""
+    resume could load the old run's newest. `own` names the folders the new run's trainer made there before
+    training, which count only once they hold files (then another run's)."""
     output_dir = Path(output_dir)
-    found = sorted(p.name for p in output_dir.iterdir()) if output_dir.is_dir() else []
+    entries = sorted(output_dir.iterdir()) if output_dir.is_dir() else []
+    found = [p.name for p in entries if not (p.name in own and p.is_dir() and not any(p.iterdir()))]
     if found and not overwrite:
         shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
         raise FileExistsError(

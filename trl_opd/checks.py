@@ -94,8 +94,12 @@ def check_vocab_sizes(*, student_vocab_size: int, teacher_vocab_size: int, stude
         )
 
 
-def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config) -> None:
-    """Everything that can be wrong with OPDTrainer's inputs, checked before any weights load."""
+def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config, *,
+                     env_rewards=(), reward_processing_classes=None) -> None:
+    """Everything that can be wrong with OPDTrainer's inputs, checked before any weights load. `env_rewards`: the
+    environments' `get_reward`, which join `reward_funcs` in GRPO."""
+    check_reward_processing_classes(reward_funcs, reward_processing_classes)
+    reward_funcs = [*reward_funcs, *env_rewards]
     evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]
     datasets = [("train_dataset", train_dataset)] + [(f"eval_dataset{k and f'[{k!r}]'}", d) for k, d in evals]
     required = {}
@@ -157,6 +161,14 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
             "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
             f"set num_generations >= 2 (got {args.num_generations})."
         )
+
+
+def check_reward_processing_classes(reward_funcs: list, reward_processing_classes) -> None:
+    """GRPO pairs `reward_processing_classes` with `reward_funcs` one to one: without reward functions it would pair
+    them with OPD's placeholder reward, which the trainer drops (an environment's reward gets none of them)."""
+    if reward_processing_classes is not None and not reward_funcs:
+        raise ValueError("reward_processing_classes gives the tokenizers of reward models in reward_funcs, and no "
+                         "reward_funcs were passed: pass the reward models too, or remove reward_processing_classes.")
 
 
 def check_options_apply(args, *, has_rewards: bool) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from trl import ModelConfig
 
 from .config import OPDConfig
+from .metrics import metric_text
 from .recipe import OPDScriptArguments, build_trainer, make_parser
 
 
@@ -91,7 +92,7 @@ def print_eval_summary(trainer) -> None:
     lines = [f"Held-out evaluation, step {first['step']} -> step {last['step']}:"]
     for key, name in EVAL_SUMMARY_METRICS.items():
         if key in first and key in last:
-            lines.append(f"  {name:<38} {first[key]:8.4f} -> {last[key]:8.4f}")
+            lines.append(f"  {name:<38} {metric_text(first[key], '.4f'):>8} -> {metric_text(last[key], '.4f'):>8}")
     trainer.accelerator.print("\n".join(lines))
 
 

@@ -15,6 +15,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from .metrics import metric_text
 from .secrets import masked, without_secrets
 
 # The facts behind the model card, kept beside it so a merged copy can get its own card
@@ -59,6 +60,8 @@ def model_card(*, base_model: str, teacher: str, recipe: str | None, dataset: st
     def rows(values: dict) -> str:
         return "\n".join(f"| `{k}` | {v} |" for k, v in values.items()) or "| (none logged) | |"
 
+    metrics = {name: metric_text(value) for name, value in metrics.items()}  # None: logged as not applicable
+
     return "\n".join([
         *front, "",
         f"# {'LoRA adapter' if is_adapter else 'Model'} trained by on-policy distillation",
@@ -95,7 +98,8 @@ def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset:
     logged = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]
     metrics = {"step": trainer.state.global_step}
     if logged:
-        metrics.update({k: round(v, 4) for k, v in logged[-1].items() if k.startswith(("opd/", "loss", "reward"))})
+        metrics.update({k: v if v is None else round(v, 4)  # None: GRPO's "applied to no completion"
+                        for k, v in logged[-1].items() if k.startswith(("opd/", "loss", "reward"))})
     base_model = getattr(trainer.accelerator.unwrap_model(trainer.model).config, "_name_or_path", "")
     facts = dict(base_model=base_model, teacher=describe_teacher(args), recipe=recipe, dataset=dataset,
                  settings=settings, metrics=metrics)

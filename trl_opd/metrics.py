@@ -6,6 +6,7 @@ Values come from the pure functions in `loss.py`, are reduced across processes, 
 from __future__ import annotations
 
 import json
+import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,18 @@ from transformers.trainer_callback import ExportableState
 
 from .loss import opd_metric_sums, opd_metrics_from_sums
 from .teachers.base import TeacherScores
+
+# How a metric that applies to nothing in its logging window reads wherever logged metrics are shown
+NOT_APPLICABLE = "n/a"
+
+
+def metric_text(value, spec: str = "") -> str:
+    """A logged metric as text, `format(value, spec)`, or `NOT_APPLICABLE` for None and NaN: GRPO logs None for a
+    metric with no valid value in the window (a reward function that returned None, "does not apply", for every
+    completion), and the metric store's raw values are NaN there."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return NOT_APPLICABLE
+    return format(value, spec)
 
 
 @contextmanager

@@ -16,6 +16,7 @@ import tempfile
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
+from .metrics import metric_text
 from .prompts import teacher_context, teacher_prompt
 from .recipe import build_trainer, load_prompts
 
@@ -168,7 +169,7 @@ def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dic
     ok = abs(kl) <= ZERO_KL_TOLERANCE
     echo(f"reference as teacher: opd/reverse_kl = {kl:.6f} "
          f"({'OK, 0 as expected' if ok else f'FAILED: should be 0 within {ZERO_KL_TOLERANCE}'})")
-    details = ", ".join(f"{name} = {value:.4f}" for name, value in sorted(teacher.items()))
+    details = ", ".join(f"{name} = {metric_text(value, '.4f')}" for name, value in sorted(teacher.items()))
     echo(f"recipe's teacher: {details}")
     _release(trainer)
     return {"ok": ok, "reference": reference, "teacher": teacher}

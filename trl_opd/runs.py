@@ -13,7 +13,7 @@ from .checkpoints import check_resume_matches, old_checkpoints, resolve_resume
 
 class RunSafetyMixin:
     """Mixed into OPDTrainer first; every method calls `super()` where the Trainer has one. Reads the Trainer's
-    `args`, `accelerator`, `model` and `state`."""
+    `args`, `accelerator`, `model` and `state`, and GRPO's `log_completions`."""
 
     def train(self, resume_from_checkpoint=None, **kwargs):
         """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint, skipping one whose save was
@@ -26,9 +26,12 @@ class RunSafetyMixin:
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _claim_output_dir(self) -> None:
-        """A new run starts in an empty output_dir, or in a used one only with `overwrite_output_dir` (see
-        `old_checkpoints`), whose checkpoints the main process deletes first."""
-        stale = old_checkpoints(self.args.output_dir, overwrite=self.args.overwrite_output_dir)
+        """A new run starts in an empty output_dir (but for the empty folders its trainer made there), or in a used
+        one only with `overwrite_output_dir` (see `old_checkpoints`), whose checkpoints the main process deletes
+        first."""
+        # GRPO's constructor makes `completions` (empty) for the completion tables of log_completions
+        own = ("completions",) if self.log_completions else ()
+        stale = old_checkpoints(self.args.output_dir, overwrite=self.args.overwrite_output_dir, own=own)
         if self.accelerator.is_main_process:
             for checkpoint in stale:
                 shutil.rmtree(checkpoint)

@@ -65,6 +65,8 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         train_dataset / eval_dataset: prompt-only datasets with a `prompt` column (text or chat messages).
         processing_class: the student's tokenizer; loaded from the student's path when omitted.
         reward_funcs: optional GRPO reward functions, mixed with the teacher signal (see `opd_reward_combination`).
+        reward_processing_classes / quantization_config: GRPO's, passed on: each reward model's tokenizer (None: its
+            own), and the `BitsAndBytesConfig` of a student loaded from a path (and of GRPO's reference copy).
         peft_config: a PEFT config to train an adapter instead of the full student.
         accuracy_func: a GRPO-style reward function scoring each completion 1 (correct) or 0, logged as `accuracy`
             (and `eval_accuracy` in evaluation) and never trained on.
@@ -89,8 +91,10 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         eval_dataset=None,
         processing_class=None,
         reward_funcs=None,
+        reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
+        quantization_config=None,
         peft_config=None,
         teacher_processing_class=None,
         tools=None,
@@ -108,8 +112,8 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         # an environment class's `get_reward` becomes a reward function in GRPO, with what that asks of the batch
         factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
         env_rewards = [factory.get_reward for factory in factories if hasattr(factory, "get_reward")]
-        check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs + env_rewards,
-                         peft_config)
+        check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, reward_funcs, peft_config,
+                         env_rewards=env_rewards, reward_processing_classes=reward_processing_classes)
         check_model_files(model, teacher_model, args)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
@@ -134,19 +138,12 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         if (args.ref_as_teacher or args.student_as_teacher in ("initial", "ema")) and user_beta == 0.0:
             args.beta = _BUILD_REFERENCE_BETA  # GRPO builds (or, for PEFT, designates) its reference only for beta > 0
         try:
-            super().__init__(
-                model=model,
-                reward_funcs=reward_funcs or [_teacher_only],
-                args=args,
-                train_dataset=train_dataset,
-                eval_dataset=eval_dataset,
-                processing_class=processing_class,
-                callbacks=callbacks,
-                optimizers=optimizers,
-                peft_config=peft_config,
-                tools=tools,
-                environment_factory=environment_factory,
-                rollout_func=action_mask_as_env_mask(rollout_func),
+            super().__init__(  # every argument of GRPO's (tests/test_trainer.py checks that none is left out)
+                model=model, reward_funcs=reward_funcs or [_teacher_only], args=args, train_dataset=train_dataset,
+                eval_dataset=eval_dataset, processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
+                quantization_config=quantization_config, peft_config=peft_config, tools=tools,
+                environment_factory=environment_factory, rollout_func=action_mask_as_env_mask(rollout_func),
             )
         finally:
             args.beta = user_beta
