@@ -1,8 +1,10 @@
 """The prepared GPU check: the GPU recipes' path on one GPU, with models built from real configs, part by part.
 
     python3 benchmarks/gpu_check.py --wheels outputs/gpu_wheels --parts cost check --budget 280 --out-dir OUT
-    python3 benchmarks/gpu_check.py --wheels outputs/gpu_wheels --parts zero3 --launch-timeout 150 --budget 280 \
-        --out-dir OUT                                                    # the two calls of docs/gpu.md, one GPU
+    python3 benchmarks/gpu_check.py --wheels outputs/gpu_wheels --parts train zero3 --launch-timeout 150 \
+        --budget 280 --out-dir OUT                                       # the two calls of docs/gpu.md, one GPU
+    python3 benchmarks/gpu_check.py --wheels outputs/gpu_wheels --parts train --steps-per-generation 4 8 \
+        --budget 280 --out-dir OUT                                       # the third, if time is left
     .venv/bin/python benchmarks/gpu_check.py --dry-run --parts zero3 --runs full+lora   # CPU, tiny shapes (CI)
 
 It builds randomly initialised models from real shapes once into WORK/models (a Qwen3-1.7B-shaped student with its
@@ -14,6 +16,10 @@ and a word-level tokenizer over that vocabulary, then runs the parts asked for:
           fp32 master weights on both sides), every logged loss, KL and gradient norm compared
   cost    teacher scoring, and OPD's scoring plus loss forward and backward beside TRL's DistillationTrainer's loss
           forward and backward (its teacher forward inside) on the same micro-batch: seconds and peak memory
+  train   the flagship recipe (recipes/opd.yaml: LoRA, the `full` estimator, 16 completions a micro-step, 4
+          micro-steps) on one device, generation by the Trainer, for each of `--steps-per-generation`: seconds per
+          step, tokens per second per GPU, the generation share of the step, and the completions' mean length
+          against `--train-completion-length` (benchmarks/step_breakdown.py's timers)
 
 Each launch runs in its own process group, under `--launch-timeout` and what is left of `--budget`; its training
 writes no weights (no checkpoint, `save_final_model: false`): its steps are read from the launch's log, and its
@@ -68,6 +74,7 @@ ZERO3_RUNS = {  # the most telling first: a short --budget drops the last
     "topk+lora": ["--opd_estimator", "topk", "--use_peft", "true", "--lora_r", "16", "--lora_target_modules",
                   "all-linear"],
 }
+TRAIN_STEPS = 3  # generation batches the train part runs: the first is its warm-up, the others are measured
 COMPARED = ("loss", "grad_norm", "opd/reverse_kl", "opd/reverse_kl_dense", "opd/reverse_kl_topk")
 MAX_LAUNCH_SECONDS = 300
 MIN_LAUNCH_SECONDS = 30  # less left of --budget than this: the launch is skipped, not started to be killed
@@ -335,6 +342,34 @@ def zero3_run(pair, work: Path, name: str, *, dry_run: bool, steps: int, limits:
     return result
 
 
+def train_part(pair, work: Path, *, dry_run: bool, steps_per_generation: int, completion_length: int,
+               limits: Limits) -> dict:
+    """The flagship recipe, timed stage by stage for a few steps in a process of its own (see the module
+    docstring); its output folder deleted once it ends."""
+    timeout = limits.next()
+    if timeout is None:
+        return dict(SKIPPED)
+    per_generation = max(1, steps_per_generation // 4)  # optimizer steps a generation batch serves
+    steps = per_generation * TRAIN_STEPS
+    output_dir, result_file = work / "runs" / f"train-{steps_per_generation}", work / "logs" / "train.json"
+    result_file.unlink(missing_ok=True)
+    precision = (["--bf16", "false", "--dtype", "float32", "--teacher_model_init_kwargs", '{"dtype": "float32"}']
+                 if dry_run else ["--bf16", "true", "--dtype", "bfloat16"])
+    command = [sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"), "--recipe",
+               str(ROOT / "recipes" / "opd.yaml"), "--steps", str(steps), "--json", str(result_file),
+               "--model_name_or_path", str(pair["student"]), "--teacher_model_name_or_path", str(pair["teacher"]),
+               "--dataset_name", str(pair["prompts"]), "--prompt_column", "prompt", "--prompt_as_user_message",
+               "false", "--use_vllm", "false", "--max_completion_length", str(completion_length),
+               "--steps_per_generation", str(steps_per_generation), "--output_dir", str(output_dir),
+               "--warmup_steps", "0", "--disable_tqdm", "true", "--save_final_model", "false", *precision]
+    outcome, _ = launch(command, log=work / "logs" / f"train-{steps_per_generation}.log", timeout=timeout)
+    shutil.rmtree(output_dir, ignore_errors=True)
+    if outcome["status"] == "ok":
+        outcome.update(json.loads(result_file.read_text()))
+        outcome["tokens_per_second_per_gpu"] = outcome.pop("tokens_per_second_per_process")
+    return {**outcome, "ok": outcome["status"] == "ok", "steps_per_generation": steps_per_generation}
+
+
 def cost_part(work: Path, *, dry_run: bool, limits: Limits) -> dict:
     """`measure_cost` in a process of its own (under the launch timeout, its memory returned when it ends)."""
     timeout = limits.next()
@@ -502,6 +537,14 @@ def summary(part: str, result: dict) -> str:
         return f"{part}: skipped ({result['reason']})"
     if part == "check":
         return f"check: {verdict} ({result.get('reference_line')}) in {result.get('seconds')} s"
+    if part == "train":
+        if not result.get("ok"):
+            return f"train steps_per_generation={result.get('steps_per_generation')}: {verdict}"
+        return (f"train steps_per_generation={result['steps_per_generation']}: OK, {result['seconds_per_step']:.1f} s "
+                f"a step, {result['tokens_per_second_per_gpu']:.0f} tokens/s/GPU, generation "
+                f"{result['generation_share']:.0%} of the step; completions {result['completion_mean_length']:.0f} "
+                f"of at most {result['max_completion_length']} tokens ({result['completion_clipped_ratio']:.0%} at "
+                "the limit; random weights rarely stop early)")
     if part == "cost":
         if not result.get("ok"):
             return f"cost: {verdict}"
@@ -554,6 +597,17 @@ def run_parts(args, report: dict, work: Path, pair: dict, limits: Limits, write)
                         if result[layout].get("tail"):
                             print(f"-- {layout}:\n" + result[layout]["tail"][-1500:], flush=True)
                 continue
+            if part == "train":
+                report["train"] = {"runs": {}}
+                for spg in args.steps_per_generation:
+                    result = train_part(pair, work, dry_run=args.dry_run, steps_per_generation=spg,
+                                        completion_length=args.train_completion_length, limits=limits)
+                    report["train"]["runs"][str(spg)] = result
+                    write()
+                    print(summary("train", result), flush=True)
+                    if not result["ok"] and result.get("tail"):
+                        print(result["tail"][-1500:], flush=True)
+                continue
             if part == "check":
                 report["check"] = check_part(pair, work, dry_run=args.dry_run, limits=limits)
             else:
@@ -571,10 +625,14 @@ def run_parts(args, report: dict, work: Path, pair: dict, limits: Limits, write)
 def verdict(report: dict) -> tuple[bool, list[str]]:
     """Whether every part and run that ran passed, and what --budget left out."""
     runs = report.get("zero3", {}).get("runs", {})
+    trains = report.get("train", {}).get("runs", {})
     skipped = [part for part in ("check", "cost") if report.get(part, {}).get("status") == "skipped"]
     skipped += [f"zero3 {name}" for name, run in runs.items() if run["status"] == "skipped"]
+    skipped += [f"train {spg}" for spg, run in trains.items() if run["status"] == "skipped"]
     ok = (all(report[part].get("ok") for part in ("check", "cost") if part in report
               and report[part].get("status") != "skipped")
+          and all(run["ok"] or run["status"] == "skipped" for run in trains.values())
+          and "error" not in report.get("train", {})
           and "error" not in report.get("zero3", {})
           and all(run["status"] in ("agree", "skipped") for run in runs.values()))
     return ok and not report.get("interrupted") and "error" not in report, skipped
@@ -588,8 +646,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="models (built once, reused by later calls), installed wheels, logs")
     parser.add_argument("--out-dir", type=Path, default=Path("outputs/gpu_check_out"),
                         help="where gpu_check.json and logs.tar.gz are written")
-    parser.add_argument("--parts", nargs="+", default=["cost", "check", "zero3"], choices=["cost", "check", "zero3"],
-                        help="run in this order")
+    parser.add_argument("--parts", nargs="+", default=["cost", "check", "zero3"],
+                        choices=["cost", "check", "zero3", "train"], help="run in this order")
+    parser.add_argument("--steps-per-generation", nargs="+", type=int, default=[4],
+                        help="the train part's runs: GRPO's steps_per_generation (4: one generation batch a step, "
+                             "as the flagship; 8: each serves two steps, the second one update stale)")
+    parser.add_argument("--train-completion-length", type=int,
+                        help="the train part's max_completion_length (default 512; 16 with --dry-run; the flagship "
+                             "recipe's is 2048)")
     parser.add_argument("--runs", nargs="+", default=list(ZERO3_RUNS), choices=list(ZERO3_RUNS),
                         help="the zero3 part's runs, in this order")
     parser.add_argument("--steps", type=int, help="training steps of each zero3 run (default 3; 2 with --dry-run)")
@@ -601,6 +665,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 < args.launch_timeout <= MAX_LAUNCH_SECONDS:
         parser.error(f"--launch-timeout must be between 1 and {MAX_LAUNCH_SECONDS} seconds")
     args.steps = args.steps or (2 if args.dry_run else 3)
+    args.train_completion_length = args.train_completion_length or (16 if args.dry_run else 512)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = args.work.resolve()
     if args.measure_cost:

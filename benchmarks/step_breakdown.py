@@ -10,8 +10,12 @@ trainer's own stages, and prints seconds per step and share for each:
 - teacher scoring: the teacher's pass over prompt + completion (`teacher.score`);
 - student update: the loss forward and backward (`training_step` less its input preparation) and the optimizer step;
 - everything else: the step time less those three (old log-probs when kept, batching, metrics, callbacks).
-The first step is left out (warm-up). The ratio of the step time to the sum of the three essential parts is the
-trainer's own overhead.
+The first generation batch's steps are left out (warm-up: the first step, or the first steps_per_generation /
+gradient_accumulation_steps steps when a generation batch serves several). The ratio of the step time to the sum of
+the three essential parts is the trainer's own overhead. It also reports the throughput, tokens (prompt and
+completion, GRPO's `num_tokens`) per second per process over the measured steps, and `completions/mean_length`
+against `max_completion_length` (the tail that asynchronous generation would win back; meaningful only with trained
+weights: a randomly initialised model rarely ends a completion before the limit).
 
 `--trainer trl-distillation` times TRL's DistillationTrainer (reverse KL, beta 1) on the recipe's student, teacher,
 prompts, LoRA, learning rate, batch, completion length and seed, stage by stage the same way: there the teacher's
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         timer.wrap(trainer, "_prepare_inputs", "preparation")
         timer.wrap(trainer, "training_step", "student update", subtract=("preparation", "teacher scoring"))
     timer.wrap(trainer, "_generate", "generation")
-    optimizer_start = []
+    optimizer_start, logs_by_step = [], []
 
     class Steps(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -105,23 +109,57 @@ def main(argv: list[str] | None = None) -> None:
         def on_step_end(self, *a, **k):
             timer.steps.append({"step": time.perf_counter() - timer.step_start, **timer.current})
 
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "loss" in logs:  # a step's log (not the run's summary)
+                logs_by_step.append(dict(logs))
+
     trainer.add_callback(Steps())
     trainer.train()
 
-    measured = timer.steps[1:] or timer.steps
+    per_generation = max(1, (trainer.args.steps_per_generation or 1) // trainer.args.gradient_accumulation_steps)
+    warm_up = per_generation if len(timer.steps) > per_generation else 0
+    measured = timer.steps[warm_up:]
     mean = {key: sum(step.get(key, 0.0) for step in measured) / len(measured)
             for key in ("step", *STAGES)}
     essential = sum(mean[stage] for stage in STAGES)
     rows = {stage: mean[stage] for stage in STAGES}
     rows["everything else"] = mean["step"] - essential
     result = {"trainer": args.trainer, "recipe": args.recipe, "overrides": overrides, "steps_measured": len(measured),
-              "seconds_per_step": mean["step"], "stages": rows, "overhead_ratio": mean["step"] / essential}
+              "seconds_per_step": mean["step"], "stages": rows, "overhead_ratio": mean["step"] / essential,
+              "generation_share": mean["generation"] / mean["step"],
+              "steps_per_generation": trainer.args.steps_per_generation,
+              "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+              **throughput(logs_by_step, warm_up, sum(step["step"] for step in measured),
+                           trainer.accelerator.num_processes, trainer.args.max_completion_length)}
     print(f"{args.trainer}: {len(measured)} steps after the first, {mean['step']:.2f} s per step:")
     for stage, seconds in rows.items():
         print(f"  {stage:<16} {seconds:7.2f} s  {seconds / mean['step']:6.1%}")
     print(f"  step / (generation + scoring + update) = {result['overhead_ratio']:.3f}")
+    if result["tokens_per_second_per_process"] is not None:
+        print(f"  {result['tokens_per_second_per_process']:.0f} tokens/s per process; completions "
+              f"{result['completion_mean_length']:.0f} tokens on average of at most {result['max_completion_length']} "
+              f"({result['completion_clipped_ratio']:.0%} cut at the limit)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def throughput(logs: list[dict], warm_up: int, seconds: float, processes: int, max_length: int) -> dict:
+    """Tokens per second per process over the steps after `warm_up`, and the completions' mean length and clipped
+    share there. GRPO's `num_tokens` counts every process's prompt and completion tokens, cumulatively, and is logged
+    only by a step that generated (like the completions' lengths), so it is carried over the steps that did not."""
+    seen, tokens = 0, []
+    for log in logs:
+        seen = log.get("num_tokens", seen)
+        tokens.append(seen)
+    generated = [log for log in logs[warm_up:] if "completions/mean_length" in log]
+    if not generated or seconds <= 0:
+        return {"tokens_per_second_per_process": None, "completion_mean_length": None,
+                "completion_clipped_ratio": None, "max_completion_length": max_length}
+    before = tokens[warm_up - 1] if warm_up else 0
+    mean = lambda key: sum(log[key] for log in generated) / len(generated)
+    return {"tokens_per_second_per_process": (tokens[-1] - before) / seconds / processes,
+            "completion_mean_length": mean("completions/mean_length"),
+            "completion_clipped_ratio": mean("completions/clipped_ratio"), "max_completion_length": max_length}
 
 
 def trl_distillation_trainer(script_args, training_args, model_args):
