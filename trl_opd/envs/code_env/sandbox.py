@@ -176,6 +176,11 @@ class Sandbox:
             raise SandboxUnavailable(f"The sandbox needs Linux on x86_64 or aarch64, not {sys.platform} {machine}.")
         if self.user_namespace and (reason := _user_namespaces_refused()):
             raise SandboxUnavailable(f"The sandbox needs root or unprivileged user namespaces, and {reason}.")
+        if not self.cgroups and self.memory_mb // self.processes < MIN_PROCESS_MB // 2:
+            raise SandboxUnavailable(
+                f"Without a cgroup ({self.budget_reason}) each of a snippet's {self.processes} processes gets "
+                f"{self.memory_mb // self.processes} MiB of its {self.memory_mb} MiB, too little for Python to start: "
+                f"raise --memory-mb or lower --processes (to {max(1, self.memory_mb // MIN_PROCESS_MB)}, say).")
         try:
             self._filter = compile_filter()
             result = self.run(PROBE % SYS_CALLS[machine])
