@@ -170,6 +170,25 @@ def test_ema_teacher_is_saved_with_each_checkpoint_and_restored_on_resume(tiny, 
         run(overwrite_output_dir=False).train(resume_from_checkpoint=checkpoint)
 
 
+def test_an_ema_run_resumed_with_resume_from_checkpoint_true_restores_its_teacher(tiny, prompts, make_config):
+    """`True` is resolved to the newest complete checkpoint before the 'ema' teacher reads it (the order of the
+    trainer's parts: reading `True` as a path fails)."""
+    def run(**overrides):
+        return _trainer(tiny, prompts, make_config, peft=True, student_as_teacher="ema", teacher_ema_rate=0.5,
+                        **{"learning_rate": 5e-2, "save_strategy": "steps", "save_steps": 2, "max_steps": 2,
+                           **overrides})
+
+    first = run()
+    first.train()
+    saved = {name: teacher.detach().clone() for name, (teacher, _) in first._teacher_ema_pairs().items()}
+    resumed = run(overwrite_output_dir=False, max_steps=3)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    for name, (teacher, student) in resumed._teacher_ema_pairs().items():
+        average = saved[name] + 0.5 * (student.detach() - saved[name])
+        torch.testing.assert_close(teacher.detach(), average, rtol=1e-6, atol=1e-6 * average.abs().max().item())
+
+
 def _constant_reward(completions, **kwargs):
     """A reward that is the same for every completion: GRPO's reward advantages are 0, only the teacher teaches."""
     return [1.0] * len(completions)
