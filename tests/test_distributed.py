@@ -278,6 +278,62 @@ def test_the_teachers_head_is_gathered_once_per_loss_under_zero3(tiny, tmp_path)
     assert report["losses"]["held"] == pytest.approx(report["losses"]["plain"], rel=1e-6, abs=1e-7)
 
 
+def _recorded_step(tiny, tmp_path, estimator: str, opd_coef: float) -> dict:
+    """tests/metric_means_run.py with 2 ZeRO-3 processes: the step's log entry (`logged`) and, per process, its
+    micro-batches' per-token values (`ranks`)."""
+    name = f"{estimator}_{opd_coef}"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ZERO3,
+               str(ROOT / "tests" / "metric_means_run.py"), str(tiny), str(tmp_path / name),
+               str(tmp_path / f"{name}.json"), estimator, str(opd_coef)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    recorded = json.loads((tmp_path / f"{name}.json").read_text())
+    for batch in (batch for rank in recorded["ranks"] for batch in rank if "mass" in batch):
+        batch["student_mass"], batch["teacher_mass"] = batch.pop("mass")  # (positions,) each
+    return recorded
+
+
+def _total(batches, key) -> float:
+    return sum(torch.tensor(batch[key], dtype=torch.float64).sum().item() for batch in batches)
+
+
+def _token_mean(ranks, key) -> float:
+    """Over the whole generation batch: every process's micro-batches' sum of `key`, over their distilled tokens."""
+    batches = [batch for rank in ranks for batch in rank]
+    return _total(batches, key) / _total(batches, "mask")
+
+
+def _micro_batch_mean(ranks, key) -> float:
+    """GRPO's `entropy`: each micro-batch's token mean over all processes, then the mean over the micro-batches."""
+    means = [_token_mean([[batch] for batch in step], key) for step in zip(*ranks, strict=True)]
+    return sum(means) / len(means)
+
+
+def test_each_token_metric_means_one_thing_on_every_path_with_uneven_processes(tiny, tmp_path):
+    # the dense-only path (full, no sampled term: the student's hidden states alone, see dense.py) and GRPO's loss
+    # (topk beside the sampled term) on the same sampled completions, 2 micro-batches a process, where each process
+    # and each micro-batch holds its own number of tokens
+    lean, grpo = _recorded_step(tiny, tmp_path, "full", 0.0), _recorded_step(tiny, tmp_path, "topk", 1.0)
+    assert [[b["completion_ids"] for b in rank] for rank in lean["ranks"]] == [
+        [b["completion_ids"] for b in rank] for rank in grpo["ranks"]]
+    counts = [[_total([batch], "mask") for batch in rank] for rank in lean["ranks"]]
+    assert sum(counts[0]) != sum(counts[1]) and counts[0][0] + counts[1][0] != counts[0][1] + counts[1][1], counts
+    token_means = {"opd/reverse_kl": "reverse_kl", "opd/reverse_kl_dense": "dense", "opd/reverse_kl_topk": "dense",
+                   "opd/student_topk_mass": "student_mass", "opd/teacher_topk_mass": "teacher_mass"}
+    for run in (lean, grpo):
+        logged, ranks = run["logged"], run["ranks"]
+        for name in set(token_means).intersection(logged):
+            assert logged[name] == pytest.approx(_token_mean(ranks, token_means[name]), rel=1e-6), name
+            # the uneven micro-batches tell this definition from a mean of micro-batch means
+            assert abs(_token_mean(ranks, token_means[name]) / _micro_batch_mean(ranks, token_means[name]) - 1) > 1e-5
+        assert logged["entropy"] == pytest.approx(_micro_batch_mean(ranks, "entropy"), rel=1e-6)
+        assert abs(_micro_batch_mean(ranks, "entropy") / _token_mean(ranks, "entropy") - 1) > 1e-5
+    assert set(token_means) <= set(lean["logged"]) | set(grpo["logged"])
+    # the same per-token values (the same weights, the same completions) log the same numbers on either path
+    for name in ("entropy", "opd/reverse_kl"):
+        assert lean["logged"][name] == pytest.approx(grpo["logged"][name], rel=1e-5), name
+
+
 def test_two_machines_of_one_process_train_like_one_launch_of_two(tiny, tmp_path):
     # recipes/accelerate/zero3_2nodes.yaml with CPU settings: each "machine" a launch of its own with its
     # --machine_rank, meeting at a loopback address; the 2 steps equal one 2-process launch's

@@ -229,6 +229,17 @@ def test_wrapped_logps_calls_nest_and_restore_the_original():
     assert "_get_per_token_logps_and_entropies" not in vars(trainer)  # the class's method again
 
 
+def test_pass_sums_add_up_one_pass_over_a_generation_batch_then_start_again():
+    from trl_opd.metrics import PassSums
+
+    # 4 rows here in micro-batches of 2: the sums of both come back with the second, and a second pass starts at 0
+    sums = PassSums(rows=4)
+    assert sums.add(torch.tensor([1.0, 2.0]), rows=2) is None
+    assert sums.add(torch.tensor([3.0, 5.0]), rows=2).tolist() == [4.0, 7.0]
+    assert sums.add(torch.tensor([1.0, 1.0]), rows=2) is None
+    assert sums.add(torch.tensor([1.0, 1.0]), rows=2).tolist() == [2.0, 2.0]
+
+
 @pytest.mark.parametrize("estimator", ["sampled", "full"])
 def test_completion_tokens_are_counted_once_per_generation_batch(tiny, prompts, make_config, estimator):
     # each generation batch is trained on twice within one optimizer step (num_iterations=2, 2 micro-batches each,

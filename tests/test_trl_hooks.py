@@ -35,6 +35,14 @@ def test_grpo_loss_still_takes_per_token_advantages_and_our_clip_bounds():
     assert 'inputs.get("old_per_token_logps")' in source
 
 
+def test_grpo_logs_entropy_as_each_micro_batchs_token_mean_over_all_processes():
+    # the dense-only path, which runs no GRPO loss, logs `entropy` the same way (dense.py `_log_lean_forward_metrics`)
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'self._metrics[mode]["entropy"].append(global_masked_mean(entropies))' in source
+    assert "local_sum, local_count = (x * mask).sum(), mask.sum().float()" in source
+    assert 'totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")' in source
+
+
 def test_grpo_generation_output_and_state_we_read():
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     for key in ('"prompt_ids"', '"prompt_mask"', '"completion_ids"', '"completion_mask"', '"advantages"'):

@@ -35,7 +35,7 @@ class _ForwardOnly:
 class DenseLossMixin:
     """Mixed into OPDTrainer before GRPOTrainer. Reads GRPO's `args`, `accelerator`, `model`, `_metrics`, `beta`,
     `reward_funcs`, `temperature`, `_entropy_bonus_enabled` and `aux_loss_enabled`, the trainer's `teacher`, and
-    calls the two methods declared at the end, which other bases of OPDTrainer provide."""
+    calls the methods declared at the end, which other bases of OPDTrainer provide."""
 
     _forward_redirection = _ForwardRedirection()
     _teacher_head_held: ExitStack | None = None  # open through a training step's loss and backward (`training_step`)
@@ -68,6 +68,7 @@ class DenseLossMixin:
     def _keep_dense_inputs(self, output, scores: TeacherScores) -> None:
         if self._dense_weight == 0.0:
             return  # the teacher is switched off (opd_loss_coef 0 beside rewards): no dense term, nothing to keep
+        self._expect_dense_rows("train" if self.model.training else "eval", output["completion_ids"].size(0))
         if scores.hidden is not None:
             output["teacher_hidden_states"] = scores.hidden  # (B, T, H_teacher), for the full estimator's term
         if scores.hidden_route is not None:
@@ -135,8 +136,11 @@ class DenseLossMixin:
         logps = valid_logps.new_zeros(mask.shape).masked_scatter(valid, valid_logps)
         self._use_loss_forward_logps(inputs, logps)
         mode = "train" if self.model.training else "eval"
+        # GRPO's `entropy` exactly (its `_compute_loss` logs each micro-batch's token mean over all processes), so a
+        # run logs one `entropy` whichever path: redefining it would mean rewriting the value GRPO's loss has already
+        # logged on its own path (tests/test_trl_hooks.py pins its formula)
         totals = self.accelerator.reduce(torch.stack([valid_entropy.sum(), mask.sum().float()]), "sum")
-        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())  # all processes' tokens
+        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
 
     @property
     def _dense_weight(self) -> float:
@@ -156,16 +160,13 @@ class DenseLossMixin:
         student_hidden, student_head = student_hidden[:, -num_completion - 1 : -1], self._student_head(student)
         beta = self.args.opd_divergence_beta
         if "teacher_topk_ids" in inputs:
-            name = f"opd/{divergence_name(beta)}_topk"
             per_token, mass = dense_topk_divergence(
                 student_hidden, student_head, inputs["teacher_topk_ids"], inputs["teacher_topk_logps"], mask, beta=beta,
                 with_mass=True,
-            )  # (B, T), (2, positions)
-            mass = self.accelerator.reduce(torch.cat([mass.sum(-1), mass.new_tensor([mass.size(-1)])]), "sum")
-            for i, side in enumerate(("student", "teacher")):  # how much of each distribution the top-k term sees
-                self._metrics[mode][f"opd/{side}_topk_mass"].append((mass[i] / mass[2].clamp(min=1.0)).item())
+            )  # (B, T), (2, positions): how much of each distribution the top-k term sees
+            sums = {f"opd/{divergence_name(beta)}_topk": per_token.sum(), "opd/student_topk_mass": mass[0].sum(),
+                    "opd/teacher_topk_mass": mass[1].sum()}
         else:
-            name = f"opd/{divergence_name(beta)}_dense"
             # routed teachers: each head over its own rows (the others masked out), on every process alike
             route = inputs.get("teacher_route")
             teacher_hidden = inputs["teacher_hidden_states"]
@@ -174,8 +175,8 @@ class DenseLossMixin:
                                  mask if route is None else mask.bool() & (route == number)[:, None], beta=beta)
                 for number, head in enumerate(self._whole_teacher_heads())
             )  # (B, T)
-        totals = self.accelerator.reduce(torch.stack([per_token.detach().sum(), mask.sum().float()]), "sum")
-        self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
+            sums = {f"opd/{divergence_name(beta)}_dense": per_token.sum()}
+        self._log_dense_sums(mode, sums, mask.sum(), rows=mask.size(0))
         return self._aggregate_as_policy_loss(per_token, mask, inputs, mode)
 
     def _aggregate_as_policy_loss(self, per_token, mask, inputs, mode: str) -> torch.Tensor:
@@ -212,6 +213,14 @@ class DenseLossMixin:
 
     def _compact_logps_apply(self, inputs) -> bool:
         """Whether the loss forward's log-probs are projected at the completion only (`student.StudentMixin`)."""
+        raise NotImplementedError
+
+    def _expect_dense_rows(self, mode: str, rows: int) -> None:
+        """A generation batch of `rows` rows with a dense term begins (`metrics.OPDMetricsMixin`)."""
+        raise NotImplementedError
+
+    def _log_dense_sums(self, mode: str, sums: dict, count, rows: int) -> None:
+        """A micro-batch's share of its generation batch's dense-term metrics (`metrics.OPDMetricsMixin`)."""
         raise NotImplementedError
 
     def _use_loss_forward_logps(self, inputs, old) -> None:

@@ -47,6 +47,25 @@ def wrapped_logps_call(trainer, wrap):
             setattr(trainer, name, found)
 
 
+class PassSums:
+    """Sums over the micro-batches of one pass over a generation batch (GRPO trains its `steps_per_generation`
+    micro-batches in turn, `num_iterations` times), for the metrics that are token means over the whole batch."""
+
+    def __init__(self, rows: int):
+        self.rows = rows  # this process's rows of the generation batch
+        self.rows_seen, self.sums = 0, None
+
+    def add(self, sums: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """`sums` of a micro-batch of `rows` rows added; the pass's sums once its last micro-batch is in (the next
+        pass then starts from 0), else None."""
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.rows_seen += rows
+        if self.rows_seen < self.rows:
+            return None
+        sums, self.sums, self.rows_seen = self.sums, None, 0
+        return sums
+
+
 class CompletionTokenCount(TrainerCallback, ExportableState):
     """The completion tokens trained on so far (`data/completion_tokens_total`), saved in every checkpoint's trainer
     state (`stateful_callbacks`) and read back on resume (`restore`)."""
@@ -81,25 +100,25 @@ class OPDMetricsMixin:
         self.add_callback(CompletionTokenCount())
         self._window_tokens = 0
         self._window_start: float | None = None
+        # by mode (an evaluation can fall inside a training generation batch): the dense terms' sums of this batch
+        self._dense_sums: dict[str, PassSums] = {}
 
     def _expect_deferred_rows(self, rows: int, table_rows: int) -> None:
         """A generation batch of `rows` rows here (`table_rows` on all processes, its rows of GRPO's completions
         table) whose metrics come from its micro-batches' loss forwards: they are summed over its rows and logged
         once, as those of a batch scored at generation are."""
-        self._deferred = {"rows_left": rows, "sums": None, "table_rows": table_rows}
+        self._deferred = {"sums": PassSums(rows), "table_rows": table_rows}
 
     def _log_deferred_metrics(self, inputs, scores: TeacherScores, old_per_token_logps, advantages) -> None:
         """One micro-batch's share of its generation batch's `opd/*` metrics, with `old_per_token_logps` the loss
         forward's detached log-probs (the sampling policy's, on-policy), and its rows' advantages in the table."""
         mode, mask = "train" if self.model.training else "eval", inputs["action_mask"]
         sums = self._opd_metric_sums(scores, old_per_token_logps, advantages, mask, inputs["completion_mask"])
-        deferred = self._deferred
-        deferred["sums"] = sums if deferred["sums"] is None else deferred["sums"] + sums
-        deferred["rows_left"] -= mask.size(0)
-        if deferred["rows_left"] == 0:
-            self._log_metric_sums(mode, deferred["sums"])
+        sums = self._deferred["sums"].add(sums, mask.size(0))
+        if sums is not None:
+            self._log_metric_sums(mode, sums)
         if not self.reward_funcs:
-            self._show_table_advantages(inputs["opd_table_row"], advantages, mask, deferred["table_rows"])
+            self._show_table_advantages(inputs["opd_table_row"], advantages, mask, self._deferred["table_rows"])
         if inputs.get("sampling_per_token_logps") is not None:  # vLLM sampled: its gap to the trainer's log-probs
             old = old_per_token_logps
             delta = (old - inputs["sampling_per_token_logps"]).abs()[mask.bool()]
@@ -118,6 +137,24 @@ class OPDMetricsMixin:
             rows = mask.size(0)
             self._show_table_advantages(self._table_row_index(rows), advantages, mask,
                                         rows * self.accelerator.num_processes)
+
+    def _expect_dense_rows(self, mode: str, rows: int) -> None:
+        """A generation batch of `rows` rows here, with a dense term: its metrics are summed over its micro-batches
+        (`_log_dense_sums`)."""
+        self._dense_sums[mode] = PassSums(rows)
+
+    def _log_dense_sums(self, mode: str, sums: dict[str, torch.Tensor], count: torch.Tensor, rows: int) -> None:
+        """One micro-batch's share (`rows` rows, `count` distilled tokens here) of its generation batch's dense-term
+        metrics, `sums` of each over those tokens; each is logged once the batch's last micro-batch is in, as its
+        token mean over all processes: the definition of the `opd/*` metrics scored at generation too (a mean of
+        micro-batch means would weigh a micro-batch's tokens by how few they are)."""
+        local = torch.stack([*(value.detach().float() for value in sums.values()), count.float()])
+        totals = self._dense_sums[mode].add(local, rows)
+        if totals is None:
+            return
+        totals = self.accelerator.reduce(totals, reduction="sum")  # every process reaches its batch's end together
+        for name, total in zip(sums, totals[:-1], strict=True):
+            self._metrics[mode][name].append((total / totals[-1].clamp(min=1.0)).item())
 
     def _opd_metric_sums(self, scores, old_per_token_logps, advantages, mask, completion_mask) -> torch.Tensor:
         """`opd_metric_sums` with the sequence and completion-token counts, summed over processes."""
