@@ -99,3 +99,29 @@ def test_metrics_of_an_empty_batch_are_absent_and_unknown_fields_are_left_out():
         teacher_per_token_logps=zeros, old_per_token_logps=zeros, advantages=zeros, mask=torch.ones(1, 2)
     )
     assert "opd/teacher_agreement" not in opd_metrics_from_sums(sums)
+
+
+def test_a_term_is_summed_as_each_loss_type_sums_grpos_policy_term():
+    from trl_opd.loss import LOSS_TYPES, aggregate_as_loss_type
+
+    # two sequences: [1, 2] (both tokens valid) and [3, 0] (one valid); 3 tokens in all, the longest completion 4
+    per_token = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    common = dict(accumulation=2.0, max_completion_length=4, num_items_in_batch=torch.tensor(12.0), num_processes=2,
+                  micro_steps_per_generation=4.0)
+    expected = {
+        "grpo": (1.5 + 3.0) / 2 / 2,  # sequence means 1.5 and 3, their mean 2.25, over 2 accumulation steps
+        "sapo": (1.5 + 3.0) / 2 / 2,
+        "bnpo": 6.0 / 3 / 2,  # 6 over the micro-batch's 3 tokens, over 2
+        "dr_grpo": 6.0 / (2 * 4) / 2,  # 6 over 2 sequences x 4 tokens, over 2
+        "luspo": (3.0 + 3.0) / 2 / 2,  # sequence sums 3 and 3, their mean, over 2
+        # 6 over the generation batch's 12 tokens / 2 processes = 6 a process, times 2 / 4 of it a step: 6 / 3 = 2
+        **dict.fromkeys(("dapo", "cispo", "vespo"), 6.0 / (12 / 2 * 2 / 4)),
+    }
+    assert set(expected) == set(LOSS_TYPES)
+    for loss_type, value in expected.items():
+        assert aggregate_as_loss_type(per_token, mask, loss_type=loss_type, **common).item() == pytest.approx(value)
+    with pytest.raises(ValueError, match="Unknown loss_type 'new'"):
+        aggregate_as_loss_type(per_token, mask, loss_type="new", **common)
+    with pytest.raises(ValueError, match="num_items_in_batch .* is needed"):
+        aggregate_as_loss_type(per_token, mask, loss_type="dapo", accumulation=1.0, max_completion_length=4)

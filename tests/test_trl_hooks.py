@@ -86,3 +86,24 @@ def test_what_grpo_logs_and_makes_that_opd_reads_around_it():
     # log_completions: the constructor makes output_dir/completions, which a new run's output_dir check allows
     assert 'os.makedirs(os.path.join(self.args.output_dir, "completions"), exist_ok=True)' in inspect.getsource(
         GRPOTrainer.__init__)
+
+
+def test_every_loss_type_grpo_sums_its_policy_term_by_is_one_trl_opd_sums_its_terms_by():
+    """A loss_type TRL adds would be summed by GRPO one way and OPD's dense term (loss.aggregate_as_loss_type)
+    another, or refused mid-training: this names it first."""
+    import ast
+    import textwrap
+
+    from trl_opd.loss import LOSS_TYPES
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GRPOTrainer._compute_loss)))
+    named = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and ast.unparse(node.left) == "self.loss_type":
+            for comparator in node.comparators:
+                named |= {constant.value for constant in ast.walk(comparator)
+                          if isinstance(constant, ast.Constant) and isinstance(constant.value, str)}
+    assert named, "GRPO's _compute_loss no longer compares self.loss_type: re-read how it sums its loss"
+    unknown, gone = named - set(LOSS_TYPES), set(LOSS_TYPES) - named
+    assert not unknown, f"TRL's _compute_loss knows loss_type(s) {sorted(unknown)} that trl_opd.loss does not sum"
+    assert not gone, f"trl_opd.loss sums loss_type(s) {sorted(gone)} that TRL's _compute_loss no longer has"

@@ -17,7 +17,7 @@ import torch
 from trl.models.utils import _ForwardRedirection
 
 from .heads import OutputHead, head_token_stats
-from .loss import dense_divergence, dense_topk_divergence, divergence_name
+from .loss import aggregate_as_loss_type, dense_divergence, dense_topk_divergence, divergence_name
 from .student import MULTIMODAL_INPUTS
 from .teachers.base import TeacherScores
 
@@ -182,20 +182,14 @@ class DenseLossMixin:
     def _aggregate_as_policy_loss(self, per_token, mask, inputs, mode: str) -> torch.Tensor:
         """`per_token` (B, T), 0 off `mask`, summed into a loss as GRPO's `loss_type` sums its policy term (and for
         gradient accumulation alike), so that the two add on one scale whichever the `loss_type`."""
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type in ("grpo", "sapo"):  # each sequence's mean, then their mean
-            return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-        if self.loss_type == "bnpo":  # this process's micro-batch's tokens
-            return per_token.sum() / mask.sum().clamp(min=1.0) / accumulation
-        if self.loss_type == "dr_grpo":  # a constant: sequences times the longest completion
-            return per_token.sum() / (per_token.size(0) * self.max_completion_length) / accumulation
-        if self.loss_type == "luspo":  # each sequence's sum, then their mean
-            return per_token.sum(-1).mean() / accumulation
-        # 'dapo', 'cispo', 'vespo': the generation batch's tokens, on all processes
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-        if mode == "train":
-            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        return per_token.sum() / normalizer
+        training = mode == "train"
+        return aggregate_as_loss_type(
+            per_token, mask, loss_type=self.loss_type,
+            accumulation=self.current_gradient_accumulation_steps if training else 1.0,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=inputs.get("num_items_in_batch"), num_processes=self.accelerator.num_processes,
+            micro_steps_per_generation=self.args.steps_per_generation if training else 1.0,
+        )
 
     # ------------------------------------------------------------------ provided by OPDTrainer's other bases
 

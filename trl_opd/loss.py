@@ -275,3 +275,39 @@ def opd_metrics_from_sums(sums: torch.Tensor) -> dict[str, float]:
         "opd/teacher_entropy": means["entropy"],
     }
     return {name: value for name, value in metrics.items() if not math.isnan(value)}
+
+
+# GRPO's loss types (TRL 1.16's `_compute_loss`), each with how it sums a per-token term into a micro-batch's loss
+LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
+
+
+def aggregate_as_loss_type(per_token: torch.Tensor, mask: torch.Tensor, *, loss_type: str, accumulation: float,
+                           max_completion_length: int, num_items_in_batch: torch.Tensor | None = None,
+                           num_processes: int = 1, micro_steps_per_generation: float = 1.0) -> torch.Tensor:
+    """`per_token` (B, T), 0 off `mask`, summed into a micro-batch's loss as GRPO's `loss_type` sums its policy term,
+    so that a term added to GRPO's loss is on its scale whichever the type:
+
+    - 'grpo', 'sapo': each sequence's token mean, then their mean, over `accumulation` (the gradient accumulation
+      steps in training, 1 in evaluation);
+    - 'bnpo': the micro-batch's token mean, over `accumulation`;
+    - 'dr_grpo': the sum over sequences times `max_completion_length`, over `accumulation`;
+    - 'luspo': each sequence's sum, then their mean, over `accumulation`;
+    - 'dapo', 'cispo', 'vespo': the sum over the generation batch's tokens on one process (GRPO's
+      `num_items_in_batch`, all processes' tokens, over `num_processes`), times `accumulation /
+      micro_steps_per_generation` (the share of a generation batch one optimizer step trains on).
+    """
+    if loss_type in ("grpo", "sapo"):
+        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+    if loss_type == "bnpo":
+        return per_token.sum() / mask.sum().clamp(min=1.0) / accumulation
+    if loss_type == "dr_grpo":
+        return per_token.sum() / (per_token.size(0) * max_completion_length) / accumulation
+    if loss_type == "luspo":
+        return per_token.sum(-1).mean() / accumulation
+    if loss_type in ("dapo", "cispo", "vespo"):
+        if num_items_in_batch is None:
+            raise ValueError(f"loss_type {loss_type!r} sums over the generation batch's tokens: num_items_in_batch "
+                             "(GRPO's count of them) is needed")
+        normalizer = num_items_in_batch.clamp(min=1.0) / num_processes * accumulation / micro_steps_per_generation
+        return per_token.sum() / normalizer
+    raise ValueError(f"Unknown loss_type {loss_type!r}: trl_opd sums its terms as one of {', '.join(LOSS_TYPES)}")
