@@ -152,3 +152,20 @@ def tiny_other_teacher(tmp_path_factory):
     from trl_opd.tiny import make_tiny_other_teacher
 
     return make_tiny_other_teacher(tmp_path_factory.mktemp("tiny_other_teacher"))
+
+
+# ------------------------------------------------------------------------------------------------------ the two tiers
+
+# `pytest -m "not slow"` (docs/development.md) leaves these out: a test that needs a vLLM server, an environment
+# server, several processes, the real models, or a task that takes a minute or more to build, and any test marked
+# `slow` by hand
+SLOW_FIXTURES = {"teacher_server", "hidden_server", "teacher_server_process", "hidden_server_process", "env_server",
+                 "tiny_task", "tiny_agent"}
+SLOW_MODULES = {"test_colocate", "test_distributed", "test_env_server", "test_golden", "test_notebooks",
+                "test_persistence", "test_real_models"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
