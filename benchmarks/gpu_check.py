@@ -48,6 +48,8 @@ import time
 import traceback
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).parents[1]
 VOCAB = 151_936
 # Qwen3-1.7B and Qwen3-8B as their configs give them (the student's head tied to its embeddings)
@@ -349,7 +351,8 @@ def train_part(pair, work: Path, *, dry_run: bool, steps_per_generation: int, co
     timeout = limits.next()
     if timeout is None:
         return dict(SKIPPED)
-    per_generation = max(1, steps_per_generation // 4)  # optimizer steps a generation batch serves
+    accumulation = yaml.safe_load((ROOT / "recipes" / "opd.yaml").read_text())["gradient_accumulation_steps"]
+    per_generation = max(1, steps_per_generation // accumulation)  # optimizer steps a generation batch serves
     steps = per_generation * TRAIN_STEPS
     output_dir, result_file = work / "runs" / f"train-{steps_per_generation}", work / "logs" / "train.json"
     result_file.unlink(missing_ok=True)

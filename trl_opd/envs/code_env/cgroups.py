@@ -36,12 +36,12 @@ class SnippetCgroups:
         if isinstance(found, str):
             return None, found
         version = 1 if isinstance(found, dict) else 2
-        name = f"opd-sandbox-{os.getpid()}"
+        name, parents = f"opd-sandbox-{os.getpid()}", []
         try:
             if version == 1:
-                parents = [os.path.join(found[controller], name) for controller in CONTROLLERS]
-                for parent in parents:
-                    os.mkdir(parent)
+                for controller in CONTROLLERS:
+                    os.mkdir(os.path.join(found[controller], name))
+                    parents.append(os.path.join(found[controller], name))
                 dirs = []
                 for slot in range(slots):
                     memory, pids = (os.path.join(parent, f"slot-{slot}") for parent in parents)
@@ -57,7 +57,7 @@ class SnippetCgroups:
                 _write(found, "cgroup.subtree_control", controllers)  # so that our child may have them
                 parent = os.path.join(found, name)
                 os.mkdir(parent)
-                parents = [parent]
+                parents.append(parent)
                 _write(parent, "cgroup.subtree_control", controllers)
                 dirs = []
                 for slot in range(slots):
@@ -69,7 +69,7 @@ class SnippetCgroups:
                     _write(path, "pids.max", processes)
                     dirs.append([path])
         except OSError as error:
-            cls(version, locals().get("parents", []), []).remove()
+            cls(version, parents, []).remove()
             return None, f"a cgroup v{version} could not be made for the snippets ({error})"
         return cls(version, parents, dirs), f"cgroup v{version}"
 
