@@ -754,8 +754,8 @@ def test_the_trainer_s_first_step_is_zero_with_an_identical_cross_tokenizer_teac
                          train_dataset=prompts.select(range(8)),
                          teacher_processing_class=_spelling_tokenizer(tokenizer))
     assert not trainer.teacher.same_vocabulary
-    finished, finish = [], trainer._finish_with_scores
-    trainer._finish_with_scores = lambda output, scores: finished.append(finish(output, scores)) or finished[-1]
+    finished, finish = [], trainer._signal
+    trainer._signal = lambda output, scores, **kwargs: finished.append(finish(output, scores, **kwargs)) or finished[-1]
     trainer.train()
     output = finished[0]
     mask = output["action_mask"].bool()

@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from trl import GRPOTrainer
 
 from trl_opd import OPDTrainer
 from trl_opd.heads import OutputHead, head_token_logps, head_topk_logps
 from trl_opd.loss import dense_reverse_kl, dense_topk_reverse_kl
+from trl_opd.student import completion_logps
 from trl_opd.testing import TensorMemoryMeter
 
 
@@ -389,18 +391,18 @@ def test_soft_capped_models_are_distilled_on_their_own_distributions(tokenizer, 
                          max_steps=1),
     )
     kls = _exact_kl_of_each_batch(trainer)
-    logps, original = [], trainer._use_loss_forward_logps
+    logps, original = [], trainer._form_advantages
 
     def compare(inputs, old):  # the lean forward's sampled-token log-probs (opd/student_logp) against GRPO's
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        with torch.no_grad():  # GRPO's own method (the trainer's is observed during the loss forward)
-            grpo, _, _ = OPDTrainer._get_per_token_logps_and_entropies(
+        with torch.no_grad():  # GRPO's own method (the trainer's follows the loss's instruction during its forward)
+            grpo, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
                 trainer, trainer.model, ids, attention, inputs["completion_ids"].size(1))
         logps.append((old, grpo, inputs["action_mask"].bool()))
         return original(inputs, old)
 
-    trainer._use_loss_forward_logps = compare
+    trainer._form_advantages = compare
     trainer.train()
     (kl, mask), = kls
     first = trainer.state.log_history[0]
@@ -416,7 +418,7 @@ def test_fsdp_is_refused_before_any_weights_load_naming_zero3(tmp_path, prompts,
     # a student path that does not exist: the refusal must come first, before anything loads
     args = make_config(opd_estimator=estimator)
     args.fsdp = ["full_shard"]
-    with pytest.raises(NotImplementedError, match=r"FSDP is not supported: .* ZeRO-3 .*zero3.yaml"):
+    with pytest.raises(ValueError, match=r"FSDP is not supported: .* ZeRO-3 .*zero3.yaml"):
         OPDTrainer(model=str(tmp_path / "missing"), teacher_model=str(tmp_path / "missing-teacher"),
                    train_dataset=prompts, args=args)
 
@@ -464,20 +466,21 @@ def test_a_float32_head_beside_a_bf16_student_reads_its_states_in_float32(tiny, 
     assert student.model.embed_tokens.weight.dtype == torch.bfloat16
     assert trainer._student_head(student).weight.dtype == torch.float32
     logps = []
-    original = trainer._use_loss_forward_logps if estimator != "sampled" else None
+    original = trainer._form_advantages if estimator != "sampled" else None
 
     def compare(inputs, old):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         with torch.no_grad():
-            grpo, _, _ = OPDTrainer._get_per_token_logps_and_entropies(
+            grpo, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(  # GRPO's own, inside the loss too
                 trainer, trainer.model, ids, attention, inputs["completion_ids"].size(1))
-            compact, _, _ = trainer._completion_logps(trainer.model, ids, attention, inputs["completion_ids"].size(1))
+            compact, _, _ = completion_logps(student, trainer._student_head(student), trainer.accelerator.autocast,
+                                             trainer.model, ids, attention, inputs["completion_ids"].size(1))
         logps.append((compact, grpo, inputs["completion_mask"].bool()))
         return original(inputs, old) if original else None
 
     if original:
-        trainer._use_loss_forward_logps = compare
+        trainer._form_advantages = compare
         trainer.train()
     else:
         compare(trainer._generate_and_score_completions([prompts[i] for i in range(4)]), None)

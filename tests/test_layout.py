@@ -6,7 +6,6 @@ a rarely used command would hit is caught here rather than at that command's fir
 
 import ast
 import inspect
-import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -88,19 +87,27 @@ def test_a_long_module_is_named_in_the_development_guide():
     assert unexplained == {}, f"over {LONG_FILE} lines with no note in docs/development.md: {unexplained}"
 
 
-def _declared_only(function) -> bool:
-    """A method that only declares what a mixin needs from another base: a docstring, then NotImplementedError."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
-    return (len(body) == 2 and isinstance(body[1], ast.Raise)
-            and getattr(body[1].exc, "id", None) == "NotImplementedError")
+def test_the_trainer_steers_grpo_only_through_its_own_class():
+    """OPDTrainer's bases are GRPO's trainer and one mixin; no module declares a method for another base to provide
+    (`NotImplementedError`), assigns a GRPO method on an object, or sets attributes by name but `grpo_calls.py`."""
+    from trl import GRPOTrainer
 
-
-def test_what_a_mixin_declares_it_needs_another_base_of_the_trainer_provides():
+    from trl_opd.hub import HubMixin
     from trl_opd.trainer import OPDTrainer
 
-    declared = {(base.__name__, name): function for base in OPDTrainer.__mro__ if base.__module__.startswith("trl_opd.")
-                for name, function in vars(base).items() if inspect.isfunction(function) and _declared_only(function)}
-    assert len(declared) >= 7  # dense 2, metrics 1, overlap 4
-    unprovided = [f"{owner}.{name}" for (owner, name), function in declared.items()
-                  if getattr(OPDTrainer, name) is function]
-    assert unprovided == [], f"declared by a mixin but provided by no base before it in OPDTrainer's MRO: {unprovided}"
+    assert OPDTrainer.__bases__ == (HubMixin, GRPOTrainer)
+    grpo_methods = {name for name, _ in inspect.getmembers(GRPOTrainer, inspect.isfunction)}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Name) and node.id == "NotImplementedError":
+                found.append(f"{where} NotImplementedError")
+            if isinstance(node, ast.Assign):
+                found += [f"{where} assigns {target.attr}" for target in node.targets  # on a trainer
+                          if isinstance(target, ast.Attribute) and target.attr in grpo_methods
+                          and getattr(target.value, "id", None) in ("self", "trainer")]
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and (
+                    path.name != "grpo_calls.py"):
+                found.append(f"{where} setattr")
+    assert found == []

@@ -21,9 +21,9 @@ def _record_sampling(trainer):
     sampled = []
     generate = trainer._generate_for_teacher
 
-    def recording(inputs):
+    def recording(inputs, **kwargs):
         weights = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
-        output = generate(inputs)
+        output = generate(inputs, **kwargs)
         sampled.append((weights, output))
         return output
 
@@ -89,25 +89,25 @@ def test_the_completions_table_shows_the_trained_batch_beside_its_own_advantages
 ):
     config = make_config(max_steps=3, teacher_server_url=teacher_server, opd_overlap_scoring=True)
     trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=prompts)
-    generate, finish = trainer._generate_for_teacher, trainer._finish_with_scores
+    generate, finish = trainer._generate_for_teacher, trainer._signal
     generated, trained = {}, []
 
     def table():
         return list(trainer._logs["prompt"]), list(trainer._logs["completion"])
 
-    def recording(inputs):
-        output = generate(inputs)
+    def recording(inputs, **kwargs):
+        output = generate(inputs, **kwargs)
         generated[id(output)] = table()  # GRPO's table right after generating: this batch's rows
         return output
 
-    def finishing(output, scores):
-        result = finish(output, scores)
+    def finishing(output, scores, **kwargs):
+        result = finish(output, scores, **kwargs)
         mask = result["action_mask"]
         advantages = ((result["advantages"] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
         trained.append((generated[id(output)], table(), list(trainer._logs["advantages"]), advantages))
         return result
 
-    trainer._generate_for_teacher, trainer._finish_with_scores = recording, finishing
+    trainer._generate_for_teacher, trainer._signal = recording, finishing
     trainer.train()
 
     assert len(trained) == 3 and len(generated) == 3

@@ -111,7 +111,7 @@ def test_ema_teacher_after_k_steps_equals_the_average_by_hand(tiny, prompts, mak
                        teacher_ema_steps=every, max_steps=steps, learning_rate=5e-2)
     recorder = _Recorder()
     trainer.callback_handler.callbacks.insert(0, recorder.callback(trainer))  # before the average's own callback
-    pairs = trainer._teacher_ema_pairs()
+    pairs = trainer.teacher_ema.pairs()
     student_name = {id(student): name for name, student in trainer.model.named_parameters()}
     expected = {name: student.detach().clone() for name, (_, student) in pairs.items()}  # the start: a copy
     trainer.train()
@@ -158,11 +158,11 @@ def test_ema_teacher_is_saved_with_each_checkpoint_and_restored_on_resume(tiny, 
     first = run()
     first.train()
     checkpoint = first.args.output_dir + "/checkpoint-2"
-    saved = {name: teacher.detach().clone() for name, (teacher, _) in first._teacher_ema_pairs().items()}
+    saved = {name: teacher.detach().clone() for name, (teacher, _) in first.teacher_ema.pairs().items()}
     second = run(overwrite_output_dir=False, max_steps=3)
     second.train(resume_from_checkpoint=checkpoint)  # one more step, whose average starts from the saved one
     assert second.state.global_step == 3
-    for name, (teacher, student) in second._teacher_ema_pairs().items():
+    for name, (teacher, student) in second.teacher_ema.pairs().items():
         average = saved[name] + 0.5 * (student.detach() - saved[name])
         torch.testing.assert_close(teacher.detach(), average, rtol=1e-6, atol=1e-6 * average.abs().max().item())
     Path(checkpoint, EMA_WEIGHTS).unlink()
@@ -180,11 +180,11 @@ def test_an_ema_run_resumed_with_resume_from_checkpoint_true_restores_its_teache
 
     first = run()
     first.train()
-    saved = {name: teacher.detach().clone() for name, (teacher, _) in first._teacher_ema_pairs().items()}
+    saved = {name: teacher.detach().clone() for name, (teacher, _) in first.teacher_ema.pairs().items()}
     resumed = run(overwrite_output_dir=False, max_steps=3)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
-    for name, (teacher, student) in resumed._teacher_ema_pairs().items():
+    for name, (teacher, student) in resumed.teacher_ema.pairs().items():
         average = saved[name] + 0.5 * (student.detach() - saved[name])
         torch.testing.assert_close(teacher.detach(), average, rtol=1e-6, atol=1e-6 * average.abs().max().item())
 
@@ -457,14 +457,14 @@ def test_the_ema_average_of_a_bf16_teacher_is_kept_in_float32(tiny, prompts, mak
                        max_steps=steps, learning_rate=5e-2, model_init_kwargs={"dtype": "bfloat16"})
     recorder = _Recorder()
     trainer.callback_handler.callbacks.insert(0, recorder.callback(trainer))
-    pairs = trainer._teacher_ema_pairs()
+    pairs = trainer.teacher_ema.pairs()
     assert all(teacher.dtype == torch.bfloat16 for teacher, _ in pairs.values())
     expected = {name: student.detach().float().clone() for name, (_, student) in pairs.items()}
     trainer.train()
     for weights in recorder.steps:
         for name in expected:
             expected[name] = expected[name] + rate * (weights[name].float() - expected[name])
-    average = trainer._teacher_average.state_dict(pairs)
+    average = trainer.teacher_ema.average.state_dict(pairs)
     for name, (teacher, _) in pairs.items():
         scale = expected[name].abs().max().item()
         torch.testing.assert_close(average[name], expected[name], rtol=1e-5, atol=1e-6 * scale)

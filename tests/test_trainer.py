@@ -206,27 +206,69 @@ def test_accuracy_is_logged_in_training_and_evaluation_and_never_trained_on(tiny
     assert all("reward" not in name for entry in train_logs for name in entry)  # no reward metrics: nothing trained
 
 
-def test_wrapped_logps_calls_nest_and_restore_the_original():
-    from trl_opd.metrics import wrapped_logps_call
+def test_the_loss_forward_instruction_projects_observes_and_reuses_as_told():
+    from trl_opd.grpo_calls import LossForward
+
+    grpo_calls, observed = [], []
+
+    def grpo(x):
+        grpo_calls.append(x)
+        return torch.tensor([float(x)], requires_grad=True), None, None
+
+    # compact replaces GRPO's projection; the observer sees the result detached, before anyone else reads it
+    forward = LossForward(compact=lambda x: (torch.tensor([10.0 * x], requires_grad=True), None, None),
+                          observe=observed.append)
+    assert forward.run(grpo, 2)[0].item() == 20.0 and grpo_calls == []
+    assert observed[0].item() == 20.0 and not observed[0].requires_grad
+    # reuse: two objectives, one forward: GRPO's call runs once, and the observer once
+    observed.clear()
+    forward = LossForward(observe=observed.append, reuse=True)
+    first, second = forward.run(grpo, 3), forward.run(grpo, 4)
+    assert grpo_calls == [3] and first is second and len(observed) == 1
+    # no instruction but the default: GRPO's call, every time
+    forward = LossForward()
+    forward.run(grpo, 5), forward.run(grpo, 6)
+    assert grpo_calls == [3, 5, 6]
+
+
+def test_grpo_attributes_are_restored_however_the_block_ends_and_unknown_ones_refused():
+    from trl_opd.grpo_calls import grpo_attributes
 
     class Trainer:
-        def _get_per_token_logps_and_entropies(self, x):
-            return x
+        beta, epsilon_low = 0.1, 0.2
 
-    trainer, calls = Trainer(), []
+    trainer = Trainer()
+    with pytest.raises(RuntimeError, match="inside"):
+        with grpo_attributes(trainer, beta=0.0, epsilon_low=1.0):
+            assert (trainer.beta, trainer.epsilon_low) == (0.0, 1.0)
+            raise RuntimeError("inside")
+    assert (trainer.beta, trainer.epsilon_low) == (0.1, 0.2)
+    with pytest.raises(AttributeError, match="no attribute epsilon_hi"):  # a renamed attribute steers nothing
+        with grpo_attributes(trainer, epsilon_hi=1.0):
+            pass
+    assert not hasattr(trainer, "epsilon_hi")
 
-    def record(tag):
-        def wrap(compute):
-            return lambda x: calls.append(tag) or compute(x)
 
-        return wrap
+def _digit_reward(completions, **kwargs):
+    return [float(any(ch.isdigit() for ch in str(c))) for c in completions]
 
-    with wrapped_logps_call(trainer, record("outer")):
-        with wrapped_logps_call(trainer, record("inner")):
-            assert trainer._get_per_token_logps_and_entropies(3) == 3
-        assert trainer._get_per_token_logps_and_entropies(4) == 4  # the inner block left the outer wrapper in place
-    assert calls == ["inner", "outer", "outer"]
-    assert "_get_per_token_logps_and_entropies" not in vars(trainer)  # the class's method again
+
+@pytest.mark.parametrize("options", [dict(), dict(opd_estimator="topk", opd_topk=4),
+                                     dict(opd_estimator="full", num_generations=2, opd_reward_combination="loss"),
+                                     dict(steps_per_generation=2, gradient_accumulation_steps=1)],
+                         ids=["sampled", "topk deferred", "full with rewards", "at generation"])
+def test_the_batch_opd_hands_to_the_loss_holds_only_the_keys_its_table_declares(tiny, prompts, make_config, options):
+    from trl import GRPOTrainer
+
+    from trl_opd.batch import GRPO_KEYS_SET, OPD_KEYS
+
+    rewards = [_digit_reward] if options.get("num_generations") else None
+    trainer = _trainer(tiny, prompts, make_config(max_steps=1, **options), reward_funcs=rewards)
+    rows = [prompts[i] for i in range(4)]
+    grpo_keys = set(GRPOTrainer._generate_and_score_completions(trainer, rows))
+    output = trainer._generate_and_score_completions(rows)
+    assert set(output) - grpo_keys <= set(OPD_KEYS) | set(GRPO_KEYS_SET), set(output) - grpo_keys - set(OPD_KEYS)
+    assert set(GRPO_KEYS_SET) - {"old_per_token_logps"} <= set(output)
 
 
 def test_pass_sums_add_up_one_pass_over_a_generation_batch_then_start_again():

@@ -151,7 +151,7 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
         check_self_teacher(args, has_rewards=bool(reward_funcs),
                            peft=peft_config is not None or (not isinstance(model, str) and is_peft_model(model)))
     if args.fsdp or args.distributed_state.distributed_type == "FSDP":
-        raise NotImplementedError(
+        raise ValueError(
             "FSDP is not supported: the dense estimators and sharded teachers are built and tested on DeepSpeed "
             "ZeRO-3, which shards the student and the teacher across processes and runs every estimator and teacher "
             "source. Launch with a ZeRO-3 config (recipes/accelerate/zero3.yaml), or use DDP or one process."

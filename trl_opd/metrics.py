@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,22 +29,6 @@ def metric_text(value, spec: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return NOT_APPLICABLE
     return format(value, spec)
-
-
-@contextmanager
-def wrapped_logps_call(trainer, wrap):
-    """Within the block, the trainer's student log-prob call (GRPO's `_get_per_token_logps_and_entropies`) is
-    `wrap(original)`. Blocks nest: each restores what it found."""
-    name = "_get_per_token_logps_and_entropies"
-    found = trainer.__dict__.get(name)
-    setattr(trainer, name, wrap(getattr(trainer, name)))
-    try:
-        yield
-    finally:
-        if found is None:
-            delattr(trainer, name)
-        else:
-            setattr(trainer, name, found)
 
 
 class PassSums:
@@ -84,66 +68,75 @@ class CompletionTokenCount(TrainerCallback, ExportableState):
             self.total = saved["args"]["total"]
 
 
-class OPDMetricsMixin:
-    """Mixed into OPDTrainer before GRPOTrainer: `train`, `training_step` and `log` call `super()`. Reads GRPO's
-    `accelerator`, `model`, `_metrics`, `_logs`, `reward_funcs`, `reward_func_names`, `reward_processing_classes` and
-    the Trainer's `callback_handler`, the trainer's `accuracy_func`, and calls `_check_finite` (declared at the end,
-    `runs.RunSafetyMixin` provides it)."""
+class OPDMetrics:
+    """The `opd/*` and `data/*` metrics of a run, written to GRPO's metric store (`_metrics`, by mode) and its
+    completions table (`_logs`), both held by reference. Batches whose advantages the loss forward forms, and dense
+    terms, are logged once per generation batch as their token means over it, summed over its micro-batches."""
 
-    def train(self, resume_from_checkpoint=None, **kwargs):
-        """A resumed run goes on counting completion tokens from its checkpoint's count."""
-        if resume_from_checkpoint:  # a checkpoint's path (`RunSafetyMixin.train` has resolved `True`)
-            self._token_count.restore(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-
-    def _init_opd_metrics(self) -> None:
-        self.add_callback(CompletionTokenCount())
+    def __init__(self, store: dict, table: dict, accelerator, callbacks: Callable[[], list]):
+        self.store, self.table, self.accelerator = store, table, accelerator
+        self._callbacks = callbacks  # the Trainer's, where the completion token count lives
         self._window_tokens = 0
         self._window_start: float | None = None
+        self._deferred: dict | None = None  # the generation batch whose advantages its loss forwards form
         # by mode (an evaluation can fall inside a training generation batch): the dense terms' sums of this batch
         self._dense_sums: dict[str, PassSums] = {}
 
-    def _expect_deferred_rows(self, rows: int, table_rows: int) -> None:
-        """A generation batch of `rows` rows here (`table_rows` on all processes, its rows of GRPO's completions
-        table) whose metrics come from its micro-batches' loss forwards: they are summed over its rows and logged
-        once, as those of a batch scored at generation are."""
-        self._deferred = {"sums": PassSums(rows), "table_rows": table_rows}
+    def log(self, mode: str, name: str, value: float) -> None:
+        self.store[mode][name].append(value)
 
-    def _log_deferred_metrics(self, inputs, scores: TeacherScores, old_per_token_logps, advantages) -> None:
+    # ------------------------------------------------------------------ the teacher's signal
+
+    def log_generation_batch(self, mode, scores, old_per_token_logps, advantages, mask, completion_mask, *,
+                             show_advantages: bool) -> None:
+        """A generation batch's `opd/*` and `data/*` metrics, scored at generation, and with `show_advantages` (the
+        teacher alone: GRPO filled the table with this batch's zero reward advantages) its advantages in the table."""
+        self._log_metric_sums(mode, self._opd_metric_sums(scores, old_per_token_logps, advantages, mask,
+                                                          completion_mask))
+        if show_advantages:
+            rows = mask.size(0)
+            self._show_table_advantages(self.table_row_index(rows), advantages, mask,
+                                        rows * self.accelerator.num_processes)
+
+    def expect_deferred_rows(self, rows: int) -> None:
+        """A generation batch of `rows` rows here whose metrics come from its micro-batches' loss forwards: they are
+        summed over its rows and logged once, as those of a batch scored at generation are."""
+        self._deferred = {"sums": PassSums(rows), "table_rows": rows * self.accelerator.num_processes}
+
+    def log_deferred(self, mode, inputs, scores: TeacherScores, old_per_token_logps, advantages, *,
+                     show_advantages: bool) -> None:
         """One micro-batch's share of its generation batch's `opd/*` metrics, with `old_per_token_logps` the loss
         forward's detached log-probs (the sampling policy's, on-policy), and its rows' advantages in the table."""
-        mode, mask = "train" if self.model.training else "eval", inputs["action_mask"]
+        mask = inputs["action_mask"]
         sums = self._opd_metric_sums(scores, old_per_token_logps, advantages, mask, inputs["completion_mask"])
         sums = self._deferred["sums"].add(sums, mask.size(0))
         if sums is not None:
             self._log_metric_sums(mode, sums)
-        if not self.reward_funcs:
+        if show_advantages:
             self._show_table_advantages(inputs["opd_table_row"], advantages, mask, self._deferred["table_rows"])
         if inputs.get("sampling_per_token_logps") is not None:  # vLLM sampled: its gap to the trainer's log-probs
             old = old_per_token_logps
             delta = (old - inputs["sampling_per_token_logps"]).abs()[mask.bool()]
             delta = delta[~torch.isnan(delta)]
             mean, top = (delta.mean(), delta.max()) if delta.numel() else (old.new_zeros(()), old.new_zeros(()))
-            self._metrics[mode]["sampling/sampling_logp_difference/mean"].append(
-                self.accelerator.gather(mean).mean().item())
-            self._metrics[mode]["sampling/sampling_logp_difference/max"].append(
-                self.accelerator.gather(top).max().item())
+            self.log(mode, "sampling/sampling_logp_difference/mean", self.accelerator.gather(mean).mean().item())
+            self.log(mode, "sampling/sampling_logp_difference/max", self.accelerator.gather(top).max().item())
 
-    def _log_opd_metrics(self, mode, scores, old_per_token_logps, advantages, mask, completion_mask) -> None:
-        """A generation batch's `opd/*` and `data/*` metrics, and (teacher alone) its advantages in the table."""
-        self._log_metric_sums(mode, self._opd_metric_sums(scores, old_per_token_logps, advantages, mask,
-                                                          completion_mask))
-        if not self.reward_funcs:  # GRPO filled the table with this batch's (zero) reward advantages
-            rows = mask.size(0)
-            self._show_table_advantages(self._table_row_index(rows), advantages, mask,
-                                        rows * self.accelerator.num_processes)
+    def log_entropy(self, mode: str, entropy_sum: torch.Tensor, count: torch.Tensor) -> None:
+        """GRPO's `entropy` exactly, where its loss forward did not run (its `_compute_loss` logs each micro-batch's
+        token mean over all processes), so that a run logs one `entropy` whichever the path (tests/test_trl_hooks.py
+        pins its formula)."""
+        totals = self.accelerator.reduce(torch.stack([entropy_sum, count.float()]), "sum")
+        self.log(mode, "entropy", (totals[0] / totals[1].clamp(min=1.0)).item())
 
-    def _expect_dense_rows(self, mode: str, rows: int) -> None:
+    # ------------------------------------------------------------------ dense terms
+
+    def expect_dense_rows(self, mode: str, rows: int) -> None:
         """A generation batch of `rows` rows here, with a dense term: its metrics are summed over its micro-batches
-        (`_log_dense_sums`)."""
+        (`log_dense_sums`)."""
         self._dense_sums[mode] = PassSums(rows)
 
-    def _log_dense_sums(self, mode: str, sums: dict[str, torch.Tensor], count: torch.Tensor, rows: int) -> None:
+    def log_dense_sums(self, mode: str, sums: dict[str, torch.Tensor], count: torch.Tensor, rows: int) -> None:
         """One micro-batch's share (`rows` rows, `count` distilled tokens here) of its generation batch's dense-term
         metrics, `sums` of each over those tokens; each is logged once the batch's last micro-batch is in, as its
         token mean over all processes: the definition of the `opd/*` metrics scored at generation too (a mean of
@@ -154,7 +147,9 @@ class OPDMetricsMixin:
             return
         totals = self.accelerator.reduce(totals, reduction="sum")  # every process reaches its batch's end together
         for name, total in zip(sums, totals[:-1], strict=True):
-            self._metrics[mode][name].append((total / totals[-1].clamp(min=1.0)).item())
+            self.log(mode, name, (total / totals[-1].clamp(min=1.0)).item())
+
+    # ------------------------------------------------------------------ sums and the completions table
 
     def _opd_metric_sums(self, scores, old_per_token_logps, advantages, mask, completion_mask) -> torch.Tensor:
         """`opd_metric_sums` with the sequence and completion-token counts, summed over processes."""
@@ -173,13 +168,13 @@ class OPDMetricsMixin:
     def _log_metric_sums(self, mode, sums) -> None:
         sums, (num_sequences, num_completion_tokens) = sums[:-2], sums[-2:].tolist()
         for name, value in opd_metrics_from_sums(sums).items():
-            self._metrics[mode][name].append(value)
+            self.log(mode, name, value)
         num_tokens = int(sums[0].item())
         # multi-turn: the share of completion tokens that are the student's actions (1.0 when single-turn)
-        self._metrics[mode]["opd/action_token_fraction"].append(num_tokens / max(num_completion_tokens, 1.0))
-        self._metrics[mode]["data/completion_tokens_mean"].append(num_tokens / max(num_sequences, 1.0))
+        self.log(mode, "opd/action_token_fraction", num_tokens / max(num_completion_tokens, 1.0))
+        self.log(mode, "data/completion_tokens_mean", num_tokens / max(num_sequences, 1.0))
 
-    def _table_row_index(self, rows: int) -> torch.Tensor:
+    def table_row_index(self, rows: int) -> torch.Tensor:
         """This process's `rows` rows' places in the gathered generation batch, GRPO's completions table's order."""
         return torch.arange(rows, device=self.accelerator.device) + self.accelerator.process_index * rows
 
@@ -189,52 +184,34 @@ class OPDMetricsMixin:
         and rows that fell off its front are skipped)."""
         sequence_advantage = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         pairs = self.accelerator.gather(torch.stack([rows.to(sequence_advantage.dtype), sequence_advantage], -1))
-        table = self._logs["advantages"]
+        table = self.table["advantages"]
         first = table_rows - len(table)  # the batch row at the table's front
         for row, value in pairs.tolist():
             if int(row) >= first:
                 table[int(row) - first] = value
 
-    def _count_completion_tokens(self, num_tokens: int) -> None:
-        """Add a training generation batch's sampled tokens, all processes, to `data/completion_tokens_*`: once per
-        generation batch, however many times its micro-batches are trained on (`num_iterations`)."""
-        self._token_count.total += num_tokens
-        self._window_tokens += num_tokens
+    # ------------------------------------------------------------------ throughput
 
     @property
-    def _token_count(self) -> CompletionTokenCount:
+    def token_count(self) -> CompletionTokenCount:
         """The count callback in use (a Trainer that restores callback states replaces the one added at start-up)."""
-        return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, CompletionTokenCount))
+        return next(cb for cb in self._callbacks() if isinstance(cb, CompletionTokenCount))
 
-    def _log_accuracy(self, inputs, prompts, completions, completion_ids_list) -> None:
-        """`accuracy`: the mean of `accuracy_func` (a GRPO reward function: 1 correct, 0 wrong, None to skip) over the
-        batch's completions on all processes. A metric only, never trained on; `eval_accuracy` in evaluation. GRPO's
-        own reward call computes it, so the function gets every dataset column (and `environments`) as kwargs."""
-        saved = self.reward_funcs, self.reward_func_names, self.reward_processing_classes
-        self.reward_funcs, self.reward_func_names = [self.accuracy_func], ["accuracy"]
-        self.reward_processing_classes = [None]
-        try:
-            correct = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)[:, 0]
-        finally:
-            self.reward_funcs, self.reward_func_names, self.reward_processing_classes = saved
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["accuracy"].append(torch.nanmean(correct).item())
+    def count_completion_tokens(self, num_tokens: int) -> None:
+        """Add a training generation batch's sampled tokens, all processes, to `data/completion_tokens_*`: once per
+        generation batch, however many times its micro-batches are trained on (`num_iterations`)."""
+        self.token_count.total += num_tokens
+        self._window_tokens += num_tokens
 
-    def training_step(self, model, inputs, num_items_in_batch):
+    def start_window(self) -> None:
+        """A training step begins: the first one starts the throughput window."""
         if self._window_start is None:
             self._window_start = time.perf_counter()
-        return super().training_step(model, inputs, num_items_in_batch)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training and self._window_tokens and self._window_start is not None:
+    def add_throughput(self, logs: dict) -> None:
+        """`data/completion_tokens_per_second` since the last log, and `data/completion_tokens_total`, into `logs`."""
+        if self._window_tokens and self._window_start is not None:
             now = time.perf_counter()
             logs["data/completion_tokens_per_second"] = self._window_tokens / (now - self._window_start)
-            logs["data/completion_tokens_total"] = self._token_count.total
+            logs["data/completion_tokens_total"] = self.token_count.total
             self._window_tokens, self._window_start = 0, now
-        super().log(logs, start_time)
-
-    # ------------------------------------------------------------------ provided by OPDTrainer's other bases
-
-    def _check_finite(self, teacher_logps, old_logps, mask) -> None:
-        """Fail on every rank at once if a scored token's log-prob is not finite (`runs.RunSafetyMixin`)."""
-        raise NotImplementedError

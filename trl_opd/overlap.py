@@ -17,8 +17,9 @@ vLLM generation, corrects for the difference. `opd/staleness` logs the updates b
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,96 +39,79 @@ class _Scoring:
     table: dict[str, Any]  # its rows of GRPO's completions table, shown again when it is trained
 
 
-class OverlapScoringMixin:
-    """Mixed into OPDTrainer; inert unless `args.opd_overlap_scoring`. Every method calls `super()`. Reads the
-    Trainer's `args`, `model`, `state` and GRPO's `_metrics` and `_logs` (the completions table), and calls the
-    trainer's generation and scoring steps, declared at the end."""
+class OverlapScheduler:
+    """The overlapped schedule (see the module), held by the trainer when `opd_overlap_scoring` is on.
 
-    def train(self, *args, **kwargs):
+    `prepare(inputs)` generates a batch with the current policy and records its old log-probs; `request(inputs,
+    output)` is the teacher's scoring of it, ready to call from the background thread; `table` is GRPO's completions
+    table (`_logs`), which holds one generation batch: the rows of the batch being trained are shown again there."""
+
+    def __init__(self, prepare: Callable[[list], dict], request: Callable[[list, dict], Callable[[], TeacherScores]],
+                 table: dict[str, Any]):
+        self._prepare, self._request, self._table = prepare, request, table
         self._lookahead = None  # the next window's generation batch, taken early from the data loader
         self._scoring: _Scoring | None = None  # the next window's batch, being scored
-        self._scoring_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-overlap")
+        self._pool: ThreadPoolExecutor | None = None
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """One `train` call: the background thread, and no batch carried over from an earlier call."""
+        self._lookahead, self._scoring = None, None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-overlap")
         try:
-            return super().train(*args, **kwargs)
+            yield
         finally:
             self._scoring = None
-            self._scoring_pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The Trainer's batches for one optimizer step, reading one batch further: the first batch of the next step
-        (the next window's generation batch) is kept in `_lookahead`, and handed out first next time."""
-        if not self.args.opd_overlap_scoring:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
+    def batch_samples(self, fetch: Callable[[int], list], num_batches: int) -> list:
+        """The `num_batches` batches of one optimizer step, reading one batch further with `fetch(n)` (the Trainer's
+        `get_batch_samples`): the first batch of the next step (the next window's generation batch) is kept, and
+        handed out first next time."""
         held = [] if self._lookahead is None else [self._lookahead]
-        batches, _ = super().get_batch_samples(epoch_iterator, num_batches + 1 - len(held), device)
-        batches = held + batches
+        batches = held + fetch(num_batches + 1 - len(held))
         self._lookahead = batches[num_batches] if len(batches) > num_batches else None
-        batches = batches[:num_batches]
-        return batches, self._get_num_items_in_batch(batches, device)
+        return batches[:num_batches]
 
-    def _overlapping(self) -> bool:
-        """Whether this generation batch is trained with overlapped scoring (training, not evaluation)."""
-        return self.args.opd_overlap_scoring and self.model.training
-
-    def _overlapped_batch(self, inputs):
-        """This window's batch, scored (see the module); the next window's batch is generated and sent first."""
+    def take(self, inputs, *, step: int, max_steps: int) -> tuple[dict[str, Any], TeacherScores, int]:
+        """This window's batch `inputs` (generated, with its old log-probs), its teacher scores, and the step whose
+        policy sampled it; the next window's batch is generated and sent first."""
         current, self._scoring = self._scoring, None
         if current is not None and current.inputs is not inputs:  # not the batch the loader hands out now
             logger.warning("The batch scored ahead is not the one this step trains on; generating it now instead.")
             current = None
         if current is None:
-            current = self._start_scoring(inputs)
-        if self._lookahead is not None and self.state.global_step + 1 < self.state.max_steps:
-            self._scoring = self._start_scoring(self._lookahead)
+            current = self._start(inputs, step)
+        if self._lookahead is not None and step + 1 < max_steps:
+            self._scoring = self._start(self._lookahead, step)
         try:
             scores = current.scores.result()
         except Exception as error:
             raise RuntimeError(
-                f"Step {self.state.global_step}: the teacher failed scoring the batch sampled at step "
-                f"{current.sampled_at} (opd_overlap_scoring): {type(error).__name__}: {error}\nTraining stopped "
-                "before this step's update; the checkpoints saved so far are intact (resume_from_checkpoint=True)."
+                f"Step {step}: the teacher failed scoring the batch sampled at step {current.sampled_at} "
+                f"(opd_overlap_scoring): {type(error).__name__}: {error}\nTraining stopped before this step's update; "
+                "the checkpoints saved so far are intact (resume_from_checkpoint=True)."
             ) from error
-        self._metrics["train"]["opd/staleness"].append(float(self.state.global_step - current.sampled_at))
         self._show_table_rows(current.table)  # generating the next batch filled the table with its rows
-        return self._finish_with_scores(current.output, scores)
+        return current.output, scores, current.sampled_at
 
-    def _start_scoring(self, inputs) -> _Scoring:
+    def _start(self, inputs, step: int) -> _Scoring:
         """Generate `inputs` with the current policy, record its old log-probs, and send the teacher's request."""
-        output = self._generate_for_teacher(inputs)
-        self._old_policy_pass(output)  # trained one update later: pi_old is this policy's
-        request = self._teacher_request(inputs, output)
-        return _Scoring(inputs, output, self._scoring_pool.submit(request), self.state.global_step,
-                        self._table_rows())
+        output = self._prepare(inputs)
+        request = self._request(inputs, output)
+        return _Scoring(inputs, output, self._pool.submit(request), step, self._table_rows())
 
     def _table_rows(self) -> dict[str, Any]:
         """A copy of GRPO's completions table, which holds one generation batch: the one just generated."""
         return {name: {key: list(rows) for key, rows in column.items()} if isinstance(column, dict) else list(column)
-                for name, column in self._logs.items()}
+                for name, column in self._table.items()}
 
     def _show_table_rows(self, table: dict[str, Any]) -> None:
         """GRPO's completions table set to `table`'s rows (a copy from `_table_rows`), in place."""
         for name, column in table.items():
-            self._logs[name].clear()
+            self._table[name].clear()
             if isinstance(column, dict):
                 for key, rows in column.items():
-                    self._logs[name][key].extend(rows)
+                    self._table[name][key].extend(rows)
             else:
-                self._logs[name].extend(column)
-
-    # ------------------------------------------------------------------ provided by OPDTrainer and its other bases
-
-    def _generate_for_teacher(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """GRPO's generation of `inputs`, with the mask of the tokens to distil (`OPDTrainer`)."""
-        raise NotImplementedError
-
-    def _teacher_request(self, inputs, output) -> Callable[[], TeacherScores]:
-        """The teacher's scoring of a generated batch, ready to call (`teacher_inputs.TeacherInputsMixin`)."""
-        raise NotImplementedError
-
-    def _old_policy_pass(self, output) -> None:
-        """The old log-probs (and the byte credit's student side) of a generated batch (`OPDTrainer`)."""
-        raise NotImplementedError
-
-    def _finish_with_scores(self, output: dict[str, Any], scores: TeacherScores) -> dict[str, Any]:
-        """The teacher's advantages for a generated batch from its scores (`OPDTrainer`)."""
-        raise NotImplementedError
+                self._table[name].extend(column)

@@ -16,6 +16,7 @@ import tempfile
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
+from . import teacher_inputs
 from .metrics import metric_text
 from .prompts import teacher_context, teacher_prompt
 from .recipe import build_trainer, load_prompts
@@ -157,9 +158,9 @@ def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dic
         sampled = output["sampled_mask"][row, :length].tolist()  # the student's turns, observations between them
         route = batch[row][routed] if routed else None
         scorer = trainer.teacher.scorers[route] if routed else trainer.teacher
-        observations = scorer.row_observations(trainer._teacher_prompt_messages(batch, output)[row],
-                                               trainer._completion_messages(batch)[row], sampled, row=row,
-                                               tools=trainer._prompt_tools(len(batch))[row])
+        observations = scorer.row_observations(teacher_inputs.teacher_prompt_messages(trainer, batch, output)[row],
+                                               teacher_inputs.completion_messages(trainer, batch)[row], sampled,
+                                               row=row, tools=teacher_inputs.prompt_tools(trainer, len(batch))[row])
         echo(f"the same rollout in both tokenisations{f' (teacher {route})' if routed else ''}, one column per chunk "
              "(each chunk's teacher log-prob is compared with the sum of its student tokens'; ⟦...⟧ is not "
              "distilled; between turns the teacher reads its own rendering of the observations):\n"

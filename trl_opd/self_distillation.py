@@ -16,105 +16,80 @@ from .teachers.student import EMA_ADAPTER, StudentTeacher, TeacherAverage, add_e
 EMA_WEIGHTS = "teacher_ema.safetensors"  # in each checkpoint of a run with student_as_teacher: ema
 
 
-class _TeacherEMA(TrainerCallback):
-    """Restores the 'ema' teacher of a resumed run once the models are placed (under DeepSpeed the Trainer loads
-    checkpoints its own way, never through `_load_from_checkpoint`), and moves it towards the student every
-    `teacher_ema_steps` optimizer steps."""
-
-    def __init__(self, trainer):
-        self.trainer, self.resume_from = trainer, None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.resume_from is not None:
-            self.trainer._restore_teacher_ema(self.resume_from)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.teacher_ema_steps == 0:
-            self.trainer._update_teacher_ema()
+def reference_from_student(student, ref_model, *, zero3: bool) -> None:
+    """GRPO builds its reference copy of a fully fine-tuned student from the checkpoint the student's config names;
+    a student passed as a model may have moved since it was loaded (an SFT stage in the same process), and the
+    reference (the KL penalty's, `ref_as_teacher`'s, or `student_as_teacher`'s initial and 'ema' teachers) must be
+    the student as it was passed. A PEFT student needs nothing: its reference is its own base weights."""
+    if ref_model is not None:
+        copy_parameters(ema_pairs(student, getattr(ref_model, "module", ref_model)), zero3=zero3)
 
 
-class SelfDistillationMixin:
-    """Mixed into OPDTrainer before GRPOTrainer. Reads GRPO's `args`, `model`, `ref_model`, `accelerator` and
-    `is_deepspeed_enabled`; the trainer calls `_reference_from_student` (for a student passed as a model) and
-    `_prepare_self_teacher` once GRPO's set-up is done."""
+def self_teacher(kind: str, student, model, ref_model, **scoring) -> StudentTeacher:
+    """The scorer of `student_as_teacher`'s `kind`, over the model that holds its weights: the student's `model`
+    (GRPO's, wrapped; `student` is it unwrapped), with the adapter of that kind, or GRPO's reference copy."""
+    if kind == "live":
+        return StudentTeacher(lambda: model, adapter=StudentTeacher.LIVE, **scoring)
+    if is_peft_model(student):
+        initial = "ref" if "ref" in student.peft_config else None  # a pretrained adapter's copy, else none
+        return StudentTeacher(lambda: model, adapter=EMA_ADAPTER if kind == "ema" else initial, **scoring)
+    return StudentTeacher(lambda: ref_model, adapter=None, **scoring)
 
-    def _reference_from_student(self) -> None:
-        """GRPO builds its reference copy of a fully fine-tuned student from the checkpoint the student's config names;
-        a student passed as a model may have moved since it was loaded (an SFT stage in the same process), and the
-        reference (the KL penalty's, `ref_as_teacher`'s, or `student_as_teacher`'s initial and 'ema' teachers) must be
-        the student as it was passed. A PEFT student needs nothing: its reference is its own base weights."""
-        if self.ref_model is None:
-            return
-        copy_parameters(ema_pairs(self.accelerator.unwrap_model(self.model),
-                                  getattr(self.ref_model, "module", self.ref_model)), zero3=self._zero3())
 
-    def _prepare_self_teacher(self) -> None:
-        """The 'ema' kind's copy of the weights (a PEFT student's "ema" adapter; GRPO's reference copy otherwise,
-        built at set-up and made the student's starting weights), its float32 average and its averaging callback."""
-        if self.args.student_as_teacher != "ema":
-            return
-        student = self.accelerator.unwrap_model(self.model)
+class TeacherEMA(TrainerCallback):
+    """The 'ema' teacher's moving average: its copy of the weights (a PEFT student's "ema" adapter; GRPO's reference
+    copy otherwise, made the student's starting weights) and their float32 average, moved towards the student every
+    `teacher_ema_steps` optimizer steps, saved in every checkpoint and restored on resume (once the models are
+    placed: under DeepSpeed the Trainer loads checkpoints its own way, never through `_load_from_checkpoint`)."""
+
+    def __init__(self, student, ref_model, *, rate: float, every: int, zero3: bool):
         if is_peft_model(student):
             add_ema_adapter(student)
-        self._teacher_average = TeacherAverage(self._teacher_ema_pairs(), zero3=self._zero3())
-        self._teacher_ema = _TeacherEMA(self)
-        self.add_callback(self._teacher_ema)
+        self._student, self._copy = student, None if is_peft_model(student) else getattr(ref_model, "module", ref_model)
+        self.rate, self.every, self.zero3 = rate, every, zero3
+        self.average = TeacherAverage(self.pairs(), zero3=zero3)
+        self._resume_from = None
 
-    def train(self, resume_from_checkpoint=None, **kwargs):
-        if self.args.student_as_teacher == "ema":  # a path here: `RunSafetyMixin.train` resolved it
-            if resume_from_checkpoint is not None and not (Path(resume_from_checkpoint) / EMA_WEIGHTS).is_file():
-                raise ValueError(
-                    f"{resume_from_checkpoint} has no {EMA_WEIGHTS}: it was not written by a run with "
-                    "student_as_teacher: ema, so the teacher's averaged weights cannot be restored. Resume it with the "
-                    "kind it was trained with, or start a new run."
-                )
-            self._teacher_ema.resume_from = resume_from_checkpoint
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+    def pairs(self) -> dict:
+        """The teacher's copy and the student's weights, by parameter name (`teachers.student.ema_pairs`)."""
+        return ema_pairs(self._student, self._copy)
 
-    def _self_teacher(self, **scoring) -> StudentTeacher:
-        """The scorer of `student_as_teacher`'s kind, over the model that holds its weights."""
-        kind, student = self.args.student_as_teacher, self.accelerator.unwrap_model(self.model)
-        if kind == "live":
-            return StudentTeacher(lambda: self.model, adapter=StudentTeacher.LIVE, **scoring)
-        if is_peft_model(student):
-            initial = "ref" if "ref" in student.peft_config else None  # a pretrained adapter's copy, else none
-            return StudentTeacher(lambda: self.model, adapter=EMA_ADAPTER if kind == "ema" else initial, **scoring)
-        return StudentTeacher(lambda: self.ref_model, adapter=None, **scoring)
+    def resume_from(self, checkpoint) -> None:
+        """Restore the average from `checkpoint` (a path, or None for a new run) when training begins."""
+        if checkpoint is not None and not (Path(checkpoint) / EMA_WEIGHTS).is_file():
+            raise ValueError(
+                f"{checkpoint} has no {EMA_WEIGHTS}: it was not written by a run with student_as_teacher: ema, so the "
+                "teacher's averaged weights cannot be restored. Resume it with the kind it was trained with, or start "
+                "a new run."
+            )
+        self._resume_from = checkpoint
 
-    def _teacher_ema_pairs(self):
-        student = self.accelerator.unwrap_model(self.model)
-        copy = None if is_peft_model(student) else getattr(self.ref_model, "module", self.ref_model)
-        return ema_pairs(student, copy)
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._resume_from is not None:
+            self.restore(self._resume_from)
 
-    def _update_teacher_ema(self) -> None:
-        self._teacher_average.update(self._teacher_ema_pairs(), self.args.teacher_ema_rate)
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self.update()
 
-    def _zero3(self) -> bool:
-        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
-        return plugin is not None and plugin.zero_stage == 3
+    def update(self) -> None:
+        self.average.update(self.pairs(), self.rate)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """The student, and with the 'ema' kind its teacher's weights beside it (before the trainer state, which a
-        checkpoint writes last)."""
-        super().save_model(output_dir, _internal_call)
-        if self.args.student_as_teacher == "ema":
-            self._save_teacher_ema(Path(output_dir or self.args.output_dir))
-
-    def _save_teacher_ema(self, output_dir: Path) -> None:
+    def save(self, output_dir: Path, *, is_main_process: bool) -> None:
         """The teacher's float32 average (a collective under ZeRO-3), written by the main process."""
         from safetensors.torch import save_file
 
-        tensors = self._teacher_average.state_dict(self._teacher_ema_pairs())
-        if self.accelerator.is_main_process:
+        tensors = self.average.state_dict(self.pairs())
+        if is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(output_dir / EMA_WEIGHTS))
 
-    def _restore_teacher_ema(self, resume_from_checkpoint) -> None:
+    def restore(self, checkpoint) -> None:
         from safetensors.torch import load_file
 
-        path = Path(resume_from_checkpoint) / EMA_WEIGHTS
-        saved, pairs = load_file(str(path)), self._teacher_ema_pairs()
+        path = Path(checkpoint) / EMA_WEIGHTS
+        saved, pairs = load_file(str(path)), self.pairs()
         if saved.keys() != pairs.keys():
             raise ValueError(f"{path} holds other parameters than this run's 'ema' teacher: it was written for "
                              "another model or adapter.")
-        self._teacher_average.load_state_dict(pairs, saved)
+        self.average.load_state_dict(pairs, saved)

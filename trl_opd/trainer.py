@@ -8,32 +8,38 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
+import logging
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
-from trl.models.utils import disable_gradient_checkpointing
+from trl.models.utils import _ForwardRedirection, disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, use_adapter
 
-from .advantages import AdvantagesMixin
+from . import teacher_inputs
+from .advantages import defer_advantages, is_deferred, scores_kept, set_advantages
 from .alignment import ByteVocabulary
 from .checks import check_chat_template, check_head_projectable, check_model_files, check_opd_inputs
 from .config import OPDConfig
-from .dense import DenseLossMixin
+from .dense import DenseTerm, _ForwardOnly, has_dense_term
+from .grpo_calls import LossForward, grpo_attributes
+from .heads import head_token_stats
 from .hub import HubMixin
-from .loss import shared_temperature
-from .metrics import OPDMetricsMixin
+from .loss import aggregate_as_loss_type, shared_temperature
+from .metrics import CompletionTokenCount, OPDMetrics
 from .multiturn import action_mask, action_mask_as_env_mask, check_environments, set_tool_call_parser, skip_first
-from .overlap import OverlapScoringMixin
-from .policy import PolicyObjectiveMixin
-from .runs import RunSafetyMixin
-from .self_distillation import SelfDistillationMixin
-from .student import StudentMixin
-from .teacher_inputs import TeacherInputsMixin
+from .overlap import OverlapScheduler
+from .plan import OPDPlan
+from .policy import POLICY_TERM_ONLY, metrics_renamed_opd, opd_objective
+from .runs import check_finite_logps, check_finite_step, resume_or_claim
+from .self_distillation import TeacherEMA, reference_from_student, self_teacher
+from .student import causal_lm, completion_logps, is_multimodal, student_head
 from .teachers import LocalTeacher, TeacherScorer, TeacherScores
 from .teachers.byte_credit import student_prefix_shift
 from .teachers.cross import CrossTokenizerTeacher
@@ -41,6 +47,8 @@ from .teachers.loading import load_cross_tokenizers, load_teachers
 from .teachers.local import freeze_teacher
 from .teachers.reference import ReferenceTeacher
 from .teachers.routed import RoutedTeacher
+
+logger = logging.getLogger(__name__)
 
 _REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")  # GRPO's; meaningless with the teacher alone
 # A KL weight that makes GRPO build its reference model, which the reference teacher reads; reset to 0 right after
@@ -52,9 +60,7 @@ def _teacher_only(**kwargs):
     raise AssertionError("OPDTrainer removes this placeholder reward function before training.")
 
 
-class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMixin, OPDMetricsMixin,
-                 AdvantagesMixin, PolicyObjectiveMixin, StudentMixin, DenseLossMixin, SelfDistillationMixin,
-                 GRPOTrainer):
+class OPDTrainer(HubMixin, GRPOTrainer):
     """On-policy distillation trainer. See `OPDConfig` for the OPD settings and docs/metrics.md for the metrics.
 
     Args:
@@ -155,23 +161,39 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
             self.reward_processing_classes = [self.reward_processing_classes[i] for i in keep]
             self.reward_weights = self.reward_weights[keep]
 
-        if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
-            from .colocate import sync_by_reload
+        self.plan = OPDPlan.resolve(args, source=args.teacher_source(teacher_model) or "local",
+                                    rewards=bool(self.reward_funcs), grpo=self)
+        if self.use_vllm:
+            self.vllm_importance_sampling_correction = self.plan.vllm_importance_sampling
+            if self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
+                from .colocate import sync_by_reload
 
-            self.vllm_generation.sync_weights = partial(sync_by_reload, self.vllm_generation)
-        if self.use_vllm and self.vllm_importance_sampling_correction and self._policy_term_always_zero():
-            # vLLM's importance-sampling correction reweights GRPO's policy term, which a dense term alone makes 0: its
-            # extra forward for the old log-probs would buy nothing (the sampler's gap is logged from the loss forward)
-            self.vllm_importance_sampling_correction = False
+                self.vllm_generation.sync_weights = partial(sync_by_reload, self.vllm_generation)
         self.accuracy_func = accuracy_func
         self.teacher_processing_class = teacher_processing_class
         self.teacher_tokenizers = teacher_tokenizers
         check_head_projectable(self._student_causal_lm())
         if not isinstance(model, str):
-            self._reference_from_student()
-        self._prepare_self_teacher()
-        self.teacher = self._build_scorer(teachers)
-        self._init_opd_metrics()
+            reference_from_student(self.accelerator.unwrap_model(self.model), self.ref_model, zero3=self._zero3())
+
+        # the parts of the step, each an object held here (see docs/development.md, "One training step")
+        self.teacher_ema = None  # `student_as_teacher: ema`: the teacher's moving average, saved in each checkpoint
+        if args.student_as_teacher == "ema":
+            self.teacher_ema = TeacherEMA(self.accelerator.unwrap_model(self.model), self.ref_model,
+                                          rate=args.teacher_ema_rate, every=args.teacher_ema_steps,
+                                          zero3=self._zero3())
+            self.add_callback(self.teacher_ema)
+        self.teacher = self._build_scorer(teachers)  # TeacherScorer: scores exactly the sampled tokens
+        self.add_callback(CompletionTokenCount())
+        self.opd_metrics = OPDMetrics(self._metrics, self._logs, self.accelerator,
+                                      callbacks=lambda: self.callback_handler.callbacks)
+        self.dense = DenseTerm(self.teacher, beta=args.opd_divergence_beta, metrics=self.opd_metrics,
+                               is_student_parameter=self._is_student_parameter)
+        self.overlap = None  # `opd_overlap_scoring`: the next batch generated and scored during this one's update
+        if self.plan.overlap:
+            self.overlap = OverlapScheduler(lambda inputs: self._generate_for_teacher(inputs, old_logps=True),
+                                            self._teacher_request, self._logs)
+        self._loss_forward: LossForward | None = None  # set by `_compute_loss` for its student forward
 
     # ------------------------------------------------------------------ set-up
 
@@ -191,7 +213,8 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
                        autocast=self.accelerator.autocast, return_hidden=args.opd_estimator == "full",
                        topk=args.opd_topk if args.opd_estimator == "topk" else 0, student_vocab_size=student_vocab_size)
         if args.student_as_teacher:  # at the student's sampling temperature, so that it starts equal to its teacher
-            scorers = {"teacher": self._self_teacher(temperature=self.temperature, **scoring)}
+            scorers = {"teacher": self_teacher(args.student_as_teacher, self.accelerator.unwrap_model(self.model),
+                                               self.model, self.ref_model, temperature=self.temperature, **scoring)}
         else:
             scorers = {name: LocalTeacher(self.teacher_models[name], temperature=args.teacher_temperature, **scoring)
                        if name in self.teacher_models else teacher for name, teacher in teachers.items()}
@@ -213,13 +236,6 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         sharded = tuple(self.teacher_models) if self.is_deepspeed_enabled else ()  # ZeRO-3 forwards are collectives
         return RoutedTeacher(scorers, collective=sharded, max_over_ranks=self._max_over_ranks)
 
-    def _policy_term_always_zero(self) -> bool:
-        """A dense term alone: no sampled-token term, no rewards, no KL or entropy term, batches used once, so
-        GRPO's policy loss is 0 on every batch (see `DenseLossMixin._policy_loss_is_zero`, the same per batch)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return (self.args.opd_coef == 0.0 and self.args.opd_dense_coef is not None and not self.reward_funcs
-                and self._no_other_grpo_loss_term() and self.args.gradient_accumulation_steps % generate_every == 0)
-
     def _max_over_ranks(self, count: int) -> int:
         """The largest `count` on any process (a collective)."""
         counts = self.accelerator.gather(torch.tensor([count], device=self.accelerator.device))
@@ -233,36 +249,95 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
             return prepare_fsdp(teacher, self.accelerator)
         return self.accelerator.prepare_model(teacher, evaluation_mode=True)
 
-    def _reference_logps(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
-        """Log-probs of the student's starting point: GRPO's reference model, or the student with its adapter off."""
-        model, adapter, size = self.model, None, self.args.teacher_batch_size  # the teacher's sequences per forward
-        if self.ref_model is not None:
-            model = self.ref_model
-        elif "ref" in self.accelerator.unwrap_model(self.model).peft_config:
-            adapter = "ref"  # a student that came with a trained adapter: GRPO keeps a frozen copy as "ref"
-        if model is self.model:
-            with use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=adapter):
-                return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep, size)
-        return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep, size)
+    def _zero3(self) -> bool:
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return plugin is not None and plugin.zero_stage == 3
 
-    def _no_grad_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None) -> torch.Tensor:
-        """Per-token log-probs of the last `logits_to_keep` tokens under `model`, without gradient, (B, T)."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep,
-                batch_size=batch_size or self.args.per_device_train_batch_size,
-            )
-        return logps
+    def _student_causal_lm(self):
+        """The student without its PEFT or distributed wrappers."""
+        return causal_lm(self.accelerator, self.model)
 
-    # ------------------------------------------------------------------ scoring
+    def _student_head(self, student):
+        """The student's LM head at the sampling temperature (`student.student_head`)."""
+        return student_head(student, self.temperature)
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        if self.accuracy_func is not None:
-            self._log_accuracy(inputs, prompts, completions, completion_ids_list)
-        if self.reward_funcs:
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        # GRPO gathers rewards across processes: an empty (global batch, 0) tensor yields zero reward advantages
-        return torch.zeros(len(prompts) * self.accelerator.num_processes, 0, device=self.accelerator.device)
+    def _is_student_parameter(self, weight) -> bool:
+        return any(parameter is weight for parameter in self.accelerator.unwrap_model(self.model).parameters())
+
+    # ------------------------------------------------------------------ the run: GRPO's, with these parts around it
+
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """GRPO's training, in an output directory of its own or from a complete checkpoint of the same model
+        (`resume_from_checkpoint=True`: the newest complete one), with the completion token count and an 'ema'
+        teacher restored from it."""
+        own = ("completions",) if self.log_completions else ()  # GRPO's constructor made it, for the tables
+        resume_from_checkpoint = resume_or_claim(self.args, self.accelerator, self.accelerator.unwrap_model(self.model),
+                                                 resume_from_checkpoint, own=own)
+        if resume_from_checkpoint is not None:
+            self.opd_metrics.token_count.restore(resume_from_checkpoint)
+        if self.teacher_ema is not None:
+            self.teacher_ema.resume_from(resume_from_checkpoint)
+        if self.accelerator.is_main_process:
+            logger.info("On-policy distillation plan:\n%s", self.plan.describe())
+        with self.overlap.running() if self.overlap is not None else nullcontext():
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self.overlap is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = self.overlap.batch_samples(
+            lambda count: super(OPDTrainer, self).get_batch_samples(epoch_iterator, count, device)[0], num_batches)
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        self.opd_metrics.start_window()
+        with self.dense.heads_held():  # a ZeRO-3 teacher head is gathered once for the step's loss and backward
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training:
+            self.opd_metrics.add_throughput(logs)
+        super().log(logs, start_time)
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        # before this step's logs and checkpoint: every checkpoint saved is one of a finite run
+        check_finite_step(tr_loss, grad_norm, accelerator=self.accelerator, step=self.state.global_step)
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The student, and with the 'ema' kind its teacher's weights beside it (before the trainer state, which a
+        checkpoint writes last)."""
+        super().save_model(output_dir, _internal_call)
+        if self.teacher_ema is not None:
+            self.teacher_ema.save(Path(output_dir or self.args.output_dir),
+                                  is_main_process=self.accelerator.is_main_process)
+
+    # ------------------------------------------------------------------ one generation batch: generate, score, signal
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """1. generate (GRPO's), 2. score (the teacher, once per generation batch), 3. signal: the batch GRPO's loss
+        trains on, with the keys OPD adds listed in `batch.OPD_KEYS`."""
+        if self.overlap is not None and self.model.training:  # generated and sent to the teacher one step ago
+            output, scores, sampled_at = self.overlap.take(inputs, step=self.state.global_step,
+                                                           max_steps=self.state.max_steps)
+            self.opd_metrics.log("train", "opd/staleness", float(self.state.global_step - sampled_at))
+            return self._signal(output, scores, in_loss_forward=False)  # its old log-probs were recorded
+        output = self._generate_for_teacher(inputs)
+        scores = self._teacher_request(inputs, output)()
+        return self._signal(output, scores, in_loss_forward=self.plan.advantages_in_loss_forward)
+
+    def _generate_for_teacher(self, inputs: list[dict[str, Any]], *, old_logps: bool = False) -> dict[str, Any]:
+        """GRPO's generation (and rewards, and old log-probs where GRPO computes them) for `inputs`, with the mask of
+        the tokens to distil: everything the teacher's scores are then combined with. With `old_logps`, the sampling
+        policy's log-probs are recorded too (`_old_policy_pass`)."""
+        output = super()._generate_and_score_completions(inputs)
+        if not self.plan.rewards:  # GRPO's reward metrics mean nothing with the teacher alone
+            for name in ("reward", "reward_std", "frac_reward_zero_std"):
+                self._metrics["train" if self.model.training else "eval"].pop(name, None)
+        self._set_action_mask(output, action_mask(inputs, output["completion_mask"], output.get("tool_mask")))
+        if old_logps:
+            self._old_policy_pass(output)
+        return output
 
     def _generate(self, prompts: list):
         self._student_prompts = prompts  # as the student saw them: an environment's reset() observation included
@@ -271,58 +346,63 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         self._student_completions = generated[3]  # as chat messages: the tool loop's turns and tool results
         return generated
 
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        if self._overlapping():  # the batch was generated and sent to the teacher one step ago (`overlap`)
-            return self._overlapped_batch(inputs)
-        output = self._generate_for_teacher(inputs)
-        return self._finish_with_scores(output, self._teacher_request(inputs, output)())
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        if self.accuracy_func is not None:
+            self._log_accuracy(inputs, prompts, completions, completion_ids_list)
+        if self.plan.rewards:
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # GRPO gathers rewards across processes: an empty (global batch, 0) tensor yields zero reward advantages
+        return torch.zeros(len(prompts) * self.accelerator.num_processes, 0, device=self.accelerator.device)
 
-    def _generate_for_teacher(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """GRPO's generation (and rewards, and old log-probs where GRPO computes them) for `inputs`, with the mask of
-        the tokens to distil: everything the teacher's scores are then combined with."""
-        output = super()._generate_and_score_completions(inputs)
-        mode = "train" if self.model.training else "eval"
-        if not self.reward_funcs:
-            for name in _REWARD_METRICS:
-                self._metrics[mode].pop(name, None)
-        self._action_mask(inputs, output)  # (B, T)
-        return output
+    def _log_accuracy(self, inputs, prompts, completions, completion_ids_list) -> None:
+        """`accuracy`: the mean of `accuracy_func` (a GRPO reward function: 1 correct, 0 wrong, None to skip) over the
+        batch's completions on all processes. A metric only, never trained on; `eval_accuracy` in evaluation. GRPO's
+        own reward call computes it, so the function gets every dataset column (and `environments`) as kwargs."""
+        with grpo_attributes(self, reward_funcs=[self.accuracy_func], reward_func_names=["accuracy"],
+                             reward_processing_classes=[None]):
+            correct = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)[:, 0]
+        self.opd_metrics.log("train" if self.model.training else "eval", "accuracy", torch.nanmean(correct).item())
 
-    def _finish_with_scores(self, output: dict[str, Any], scores: TeacherScores) -> dict[str, Any]:
-        """The teacher's advantages (and dense-term inputs, and metrics) for a generated batch, from its scores."""
+    def _teacher_request(self, inputs, output):
+        """The teacher's scoring of a generated batch, ready to call, now or from another thread
+        (`teacher_inputs.teacher_request`)."""
+        return teacher_inputs.teacher_request(self, inputs, output)
+
+    def _signal(self, output: dict[str, Any], scores: TeacherScores, *, in_loss_forward: bool) -> dict[str, Any]:
+        """The teacher's advantages (and dense-term inputs, and metrics) for a generated batch, from its scores: now,
+        or, `in_loss_forward`, in each micro-batch's loss forward from its own log-probs (see `advantages.py`)."""
         mode = "train" if self.model.training else "eval"
-        completion_mask = output["completion_mask"]
         mask = output["action_mask"]
         if scores.aligned is not None:  # a cross-tokenizer teacher: tokens in no aligned chunk are not distilled
             mask = self._restrict_action_mask(output, scores)
         if self.args.opd_skip_first_tokens:  # after scoring: the teacher still reads those tokens
             mask = self._set_action_mask(output, skip_first(mask, self.args.opd_skip_first_tokens))
         if mode == "train":
-            self._count_completion_tokens(int(output["num_items_in_batch"]))  # all processes' action tokens
-        if self.reward_funcs:
+            self.opd_metrics.count_completion_tokens(int(output["num_items_in_batch"]))  # all processes' action tokens
+        if self.plan.rewards:
             output["reward_advantages"] = output["advantages"]  # (B,), GRPO's; joined with the teacher's
-        if self._advantages_in_loss_forward(output):
-            # On-policy, the old log-probs are the loss forward's own, detached: the advantage is formed there, in
-            # the one student forward (`_use_loss_forward_logps`), and the metrics that need them are logged there
-            self._check_finite(scores.logps, None, mask)
-            self._defer_advantages(output, scores)
-            self._keep_dense_inputs(output, scores)
+        if self.plan.dense_weight:  # 0: no dense term, or the teacher switched off (opd_loss_coef 0 beside rewards)
+            self.dense.keep(output, scores, mode)
+        if in_loss_forward:
+            if output.get("old_per_token_logps") is not None:
+                raise RuntimeError("GRPO computed old log-probs for a batch the plan forms its advantages for in the "
+                                   "loss forward: this TRL decides that otherwise than trl_opd.plan expects.")
+            check_finite_logps(scores.logps, None, mask, accelerator=self.accelerator, step=self.state.global_step)
+            rows = output["completion_ids"].size(0)
+            defer_advantages(output, scores, self.plan, self.opd_metrics.table_row_index(rows))
+            self.opd_metrics.expect_deferred_rows(rows)
             return output
         self._old_policy_pass(output)
         if "student_prefix_shift" in output:  # the student's side of the byte credit, under the policy that sampled
             scores = replace(scores, logps=torch.where(mask.bool(), scores.logps - output["student_prefix_shift"],
                                                        scores.logps))
         old_per_token_logps = output["old_per_token_logps"]  # (B, T)
-        self._check_finite(scores.logps, old_per_token_logps, mask)
-        teacher_advantages = self._set_advantages(output, scores, old_per_token_logps)
-        self._keep_dense_inputs(output, scores)
-        self._log_opd_metrics(mode, scores, old_per_token_logps, teacher_advantages, mask, completion_mask)
+        check_finite_logps(scores.logps, old_per_token_logps, mask, accelerator=self.accelerator,
+                           step=self.state.global_step)
+        teacher_advantages = set_advantages(output, scores, old_per_token_logps, self.args, self.plan)
+        self.opd_metrics.log_generation_batch(mode, scores, old_per_token_logps, teacher_advantages, mask,
+                                              output["completion_mask"], show_advantages=not self.plan.rewards)
         return output
-
-    def _action_mask(self, inputs, output) -> torch.Tensor:
-        """The tokens to distil, (B, T) (see `action_mask`). GRPO's loss reads `tool_mask`, so that is set to the same
-        mask, and the batch's token count is recomputed from it."""
-        return self._set_action_mask(output, action_mask(inputs, output["completion_mask"], output.get("tool_mask")))
 
     def _restrict_action_mask(self, output, scores: TeacherScores) -> torch.Tensor:
         """Drop from the action mask the sampled tokens a cross-tokenizer teacher could not align (its tokenizer
@@ -335,10 +415,10 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         sampled_count, aligned_count, chunks = self.accelerator.reduce(counts, reduction="sum").tolist()
         mode = "train" if self.model.training else "eval"
         if chunks:
-            self._metrics[mode]["opd/aligned_chunk_tokens_mean"].append(aligned_count / chunks)
-        self._metrics[mode]["opd/unaligned_token_fraction"].append(1.0 - aligned_count / max(sampled_count, 1.0))
+            self.opd_metrics.log(mode, "opd/aligned_chunk_tokens_mean", aligned_count / chunks)
+        self.opd_metrics.log(mode, "opd/unaligned_token_fraction", 1.0 - aligned_count / max(sampled_count, 1.0))
         output["sampled_mask"] = sampled  # what the student sampled, aligned or not (`trl-opd check` shows it)
-        if self.reward_funcs:  # GRPO's reward term trains every sampled token; the teacher's advantage is 0 off `mask`
+        if self.plan.rewards:  # GRPO's reward term trains every sampled token; the teacher's advantage is 0 off `mask`
             output["action_mask"] = mask
             return mask
         return self._set_action_mask(output, mask)
@@ -348,6 +428,8 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
         output["action_mask"] = output["tool_mask"] = mask
         output["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         return mask
+
+    # ------------------------------------------------------------------ the sampling policy's and reference log-probs
 
     def _old_policy_pass(self, output) -> None:
         """What the advantage needs from the policy that sampled the batch, from one no-grad forward of it:
@@ -387,10 +469,133 @@ class OPDTrainer(RunSafetyMixin, HubMixin, TeacherInputsMixin, OverlapScoringMix
             hook.remove()
         return logps, torch.cat(states)
 
-    # ------------------------------------------------------------------ loss
+    def _reference_logps(self, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
+        """Log-probs of the student's starting point: GRPO's reference model, or the student with its adapter off."""
+        model, adapter, size = self.model, None, self.args.teacher_batch_size  # the teacher's sequences per forward
+        if self.ref_model is not None:
+            model = self.ref_model
+        elif "ref" in self.accelerator.unwrap_model(self.model).peft_config:
+            adapter = "ref"  # a student that came with a trained adapter: GRPO keeps a frozen copy as "ref"
+        if model is self.model:
+            with use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=adapter):
+                return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep, size)
+        return self._no_grad_logps(model, input_ids, attention_mask, logits_to_keep, size)
+
+    def _no_grad_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None) -> torch.Tensor:
+        """Per-token log-probs of the last `logits_to_keep` tokens under `model`, without gradient, (B, T)."""
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep,
+                batch_size=batch_size or self.args.per_device_train_batch_size,
+            )
+        return logps
+
+    # ------------------------------------------------------------------ one micro-batch: the loss
+
+    _forward_redirection = _ForwardRedirection()
 
     def _compute_loss(self, model, inputs):
-        # the student's log-probs projected at the completion (where GRPO's head would project every position), and
-        # observed for the advantage (on-policy); the dense terms and GRPO's objective on that one forward
-        with self._compact_student_logps(inputs), self._observe_loss_forward_logps(inputs):
-            return self._dense_and_policy_loss(model, inputs)
+        """4. loss: GRPO's objective on the batch's advantages (formed in this forward, where the plan says) and the
+        dense term, on one student forward; its log-probs projected at the completion only where GRPO's head would
+        project every position (`student.py`)."""
+        compact = self.plan.compact_logps and not is_multimodal(inputs)
+        self._loss_forward = LossForward(
+            compact=partial(completion_logps, self._student_causal_lm(), self._student_head(self._student_causal_lm()),
+                            self.accelerator.autocast) if compact else None,
+            observe=partial(self._form_advantages, inputs) if is_deferred(inputs) else None,
+            reuse=self.plan.combination == "loss",
+        )
+        try:
+            if not has_dense_term(inputs) and not compact:
+                return self._policy_loss(model, inputs)
+            # The whole loss runs inside the student's forward (TRL's forward redirection, as its distillation trainer
+            # does): DDP then prepares its backward once, and under ZeRO-3 the LM head, which the dense term and the
+            # compact log-probs read directly, is gathered on access and stays registered to the model for the
+            # backward, where ZeRO reduces its gradient. Inside, the student is called through its `forward`: its
+            # hooks already ran for this call.
+            unwrapped = self.accelerator.unwrap_model(model)
+            return self._forward_redirection(model, unwrapped, self._loss_inside_forward, _ForwardOnly(unwrapped),
+                                             inputs)
+        finally:
+            self._loss_forward = None
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        """GRPO's, run as the loss's instruction says within `_compute_loss` (`grpo_calls.LossForward`)."""
+        grpo_call = super()._get_per_token_logps_and_entropies
+        if self._loss_forward is None:
+            return grpo_call(model, *args, **kwargs)
+        return self._loss_forward.run(grpo_call, model, *args, **kwargs)
+
+    def _loss_inside_forward(self, model, inputs):
+        student = self._student_causal_lm()
+        if self.plan.policy_term_zero and is_deferred(inputs) and not is_multimodal(inputs):
+            # the dense term is the whole loss: the backbone alone, no vocabulary projection but the dense term's
+            input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            with self.accelerator.autocast():
+                hidden = student.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            hidden = hidden.last_hidden_state
+            self._lean_forward_signal(inputs, hidden, student)
+            return self._dense_loss(inputs, hidden, student)
+        if not has_dense_term(inputs):
+            return self._policy_loss(model, inputs)  # no dense term: GRPO's loss, its log-probs compact
+        hidden = []
+        hook = student.base_model.register_forward_hook(lambda m, a, out: hidden.append(out.last_hidden_state))
+        try:
+            loss = self._policy_loss(model, inputs)
+        finally:
+            hook.remove()
+        return loss + self._dense_loss(inputs, hidden[0], student)
+
+    def _form_advantages(self, inputs, old_per_token_logps) -> None:
+        """A deferred micro-batch's advantages from the loss forward's detached log-probs, and its `opd/*` metrics."""
+        scores = scores_kept(inputs)
+        check_finite_logps(scores.logps, old_per_token_logps, inputs["action_mask"], accelerator=self.accelerator,
+                           step=self.state.global_step)
+        teacher_advantages = set_advantages(inputs, scores, old_per_token_logps, self.args, self.plan)
+        self.opd_metrics.log_deferred("train" if self.model.training else "eval", inputs, scores, old_per_token_logps,
+                                      teacher_advantages, show_advantages=not self.plan.rewards)
+
+    def _lean_forward_signal(self, inputs, student_hidden, student) -> None:
+        """Where GRPO's loss forward does not run (a dense term alone): the (zero) advantages and the deferred `opd/*`
+        metrics from the sampled tokens' log-probs, which on-policy are the old ones, and the student's `entropy`,
+        over the distilled tokens, from one no-grad projection of those positions."""
+        completion_ids, mask = inputs["completion_ids"], inputs["action_mask"]
+        valid = mask.bool()  # only these positions are projected onto the vocabulary
+        hidden = student_hidden[:, -completion_ids.size(1) - 1 : -1].detach()
+        valid_logps, valid_entropy, _ = head_token_stats(hidden[valid], self._student_head(student),
+                                                         completion_ids[valid])
+        self._form_advantages(inputs, valid_logps.new_zeros(mask.shape).masked_scatter(valid, valid_logps))
+        self.opd_metrics.log_entropy("train" if self.model.training else "eval", valid_entropy.sum(), mask.sum())
+
+    def _policy_loss(self, model, inputs) -> torch.Tensor:
+        """GRPO's loss on the batch's advantages: the teacher's, summed with the rewards', or both objectives."""
+        if self.plan.combination != "loss":  # teacher only (the OPD objective), or rewards' advantages summed
+            with grpo_attributes(self, **(opd_objective(self.args) if not self.plan.rewards else {})):
+                return super()._compute_loss(model, inputs)
+        mode = "train" if self.model.training else "eval"
+        rl_loss = super()._compute_loss(model, inputs)
+        if self.args.opd_loss_coef == 0.0:
+            return rl_loss
+        with grpo_attributes(self, **POLICY_TERM_ONLY, **opd_objective(self.args)), \
+                metrics_renamed_opd(self._metrics[mode]):
+            opd_loss = super()._compute_loss(model, {**inputs, "advantages": inputs["teacher_advantages"]})
+        # GRPO's loss is divided for gradient accumulation; the metrics are on the scale of the logged `loss`
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        for name, value in (("rl/loss", rl_loss), ("opd/loss", opd_loss)):
+            self.opd_metrics.log(mode, name, self.accelerator.gather(value.detach()).mean().item() * accumulation)
+        return rl_loss + self.args.opd_loss_coef * opd_loss
+
+    def _dense_loss(self, inputs, student_hidden, student) -> torch.Tensor:
+        """The dense term (`DenseTerm.per_token`), weighted, and aggregated as GRPO's `loss_type` aggregates its
+        policy term (and for gradient accumulation alike), so that the two add on one scale."""
+        mode = "train" if self.model.training else "eval"
+        per_token = self.dense.per_token(inputs, student_hidden, self._student_head(student), mode)
+        training = mode == "train"
+        return self.plan.dense_weight * aggregate_as_loss_type(
+            per_token, inputs["action_mask"], loss_type=self.loss_type,
+            accumulation=self.current_gradient_accumulation_steps if training else 1.0,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=inputs.get("num_items_in_batch"), num_processes=self.accelerator.num_processes,
+            micro_steps_per_generation=self.args.steps_per_generation if training else 1.0,
+        )
