@@ -109,8 +109,8 @@ def evaluate(model_dir: str, rows: list[dict], *, python: str, log: Path, max_co
     from transformers import AutoTokenizer, GenerationConfig
 
     from trl_opd.envs.code_output import printed_output_reward, stated_output_reward
-    from trl_opd.multiturn import set_tool_call_parser
-    from trl_opd.testing import TeacherServerProcess
+    from trl_opd.tools.testing import TeacherServerProcess
+    from trl_opd.trainer.multiturn import set_tool_call_parser
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     set_tool_call_parser(tokenizer, SimpleNamespace(untagged_tool_calls=untagged_tool_calls), multi_turn=True)
@@ -157,8 +157,8 @@ def merged(base: str, adapter: str, directory: str) -> str:
 
 
 def evaluate_main(args) -> None:
-    from trl_opd.comparison import describe_machine
     from trl_opd.models_dir import resolve_model
+    from trl_opd.tools.comparison import describe_machine
 
     rows = [json.loads(line) for line in open(args.heldout)][: args.n]
     if args.system_prompt:  # what a teacher with teacher_system_prompt reads
@@ -189,7 +189,7 @@ def grpo_main(args) -> None:
     from trl_opd.envs.code_env import CodeToolClient
     from trl_opd.envs.code_output import stated_output_reward
     from trl_opd.models_dir import resolve_model
-    from trl_opd.multiturn import set_tool_call_parser
+    from trl_opd.trainer.multiturn import set_tool_call_parser
 
     recipe = yaml.safe_load(Path(args.config).read_text())
     rollouts = recipe["per_device_train_batch_size"] * recipe.get("num_generations", 1)

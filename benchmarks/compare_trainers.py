@@ -5,7 +5,7 @@ as ratios to DistillationTrainer.
 Same student, teacher, prompts, 32 completions per step and steps for every method; full fine-tuning. Every method
 runs at each learning rate of its grid (`--learning-rates`, or its own `--method-rates`) on the same seeds; the table
 shows each method at the rate with the best mean final held-out accuracy (then the lower KL), and a second table
-the whole sweep. `trl_opd.comparison.run_method` trains and measures (held-out accuracy and exact
+the whole sweep. `trl_opd.tools.comparison.run_method` trains and measures (held-out accuracy and exact
 KL(student || teacher) on student samples for 100 held-out prompts, every `--eval-every` steps). Each run is its own
 process (peak RSS per run); runs are interleaved (every method and rate once per seed, in turn) so that slow phases
 of a shared machine hit each alike.
@@ -36,7 +36,7 @@ def _fmt(value, spec: str, missing: str = "not reached") -> str:
 
 def by_rate(runs: list[dict]) -> dict[tuple[str, float], dict]:
     """`summarize` per (method, learning rate): the whole sweep."""
-    from trl_opd.comparison import summarize
+    from trl_opd.tools.comparison import summarize
 
     return summarize([{**run, "method": (run["method"], run["learning_rate"])} for run in runs], target=1.0)
 
@@ -52,7 +52,7 @@ def best_rates(sweep: dict[tuple[str, float], dict]) -> dict[str, float]:
 
 
 def print_tables(runs: list[dict], *, target: float, teacher_accuracy: float, args) -> None:
-    from trl_opd.comparison import describe_machine, summarize
+    from trl_opd.tools.comparison import describe_machine, summarize
 
     sweep = by_rate(runs)
     rates = best_rates(sweep)
@@ -97,7 +97,7 @@ def _spread(row: dict, key: str, spec: str) -> str:
 
 
 def main() -> None:
-    from trl_opd.comparison import METHODS
+    from trl_opd.tools.comparison import METHODS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="artifacts/tiny_task")
@@ -122,7 +122,7 @@ def main() -> None:
     teacher_accuracy = json.loads((task / "accuracy.json").read_text())["teacher"]["sampled"]
     target = teacher_accuracy - 0.05
     if args.one:
-        from trl_opd.comparison import run_method, task_inputs
+        from trl_opd.tools.comparison import run_method, task_inputs
 
         method, learning_rate, seed = args.one
         run = run_method(method, **task_inputs(task), steps=args.steps, eval_every=args.eval_every, seed=int(seed),
@@ -158,7 +158,7 @@ def main() -> None:
                         Path(args.json).write_text(json.dumps(runs, indent=1))
     print_tables(runs, target=target, teacher_accuracy=teacher_accuracy, args=args)
     if args.plot:
-        from trl_opd.comparison import plot_comparison
+        from trl_opd.tools.comparison import plot_comparison
 
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         rates = best_rates(by_rate(runs))

@@ -77,7 +77,7 @@ def measure(call) -> dict:
     first call, which also warms up), and of resident memory above what was resident before the call (a third call,
     after the peak counter is reset and freed memory handed back to the system; it also counts what kernels allocate
     outside tensors)."""
-    from trl_opd.testing import TensorMemoryMeter
+    from trl_opd.tools.testing import TensorMemoryMeter
 
     gc.collect()
     with TensorMemoryMeter() as meter:
@@ -184,7 +184,7 @@ def python_per_token(tokens: int, cross: tuple[str, str] | None) -> dict:
     """Seconds per 1,000 tokens of the per-token work done in Python at `tokens` completion tokens."""
     import torch
 
-    from trl_opd.multiturn import action_mask
+    from trl_opd.trainer.multiturn import action_mask
 
     result = {}
     completion_mask = torch.ones(1, tokens, dtype=torch.long)
@@ -264,7 +264,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])

@@ -120,7 +120,7 @@ def run_arm(pair: str, arm: str, args) -> dict:
 
 
 def print_table(results: dict) -> None:
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     print(f"\n{results.get('machine', describe_machine())}, {results.get('date', '')}, seed {results['seed']}, "
           f"{results['eval_prompts']} held-out prompts\n")
@@ -158,7 +158,7 @@ def main() -> None:
         print_table(json.loads(path.read_text()))
         return
 
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     if args.pair == "tiny":
         from trl_opd.envs.addition import make_other_family_teacher

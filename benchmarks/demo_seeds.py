@@ -97,7 +97,7 @@ def main() -> None:
         print(compare(args.compare, json.loads(args.json.read_text())))
         return
     if not args.from_json:
-        from trl_opd.comparison import describe_machine
+        from trl_opd.tools.comparison import describe_machine
 
         sweep = {"recipe": str(RECIPE), "machine": describe_machine(), "date": time.strftime("%Y-%m-%d"), "runs": []}
         for seed in args.seeds:

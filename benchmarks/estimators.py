@@ -148,7 +148,7 @@ def main() -> None:
                 results.append({"gap": gap, **result})
                 print(json.dumps(results[-1]), file=sys.stderr)
 
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     print(f"\n{args.steps} steps, batch 16, lr 1e-3, full fine-tune; mean (reduction: range) over seeds {args.seeds}; "
           f"s/step after {WARMUP_STEPS} warm-up steps; {describe_machine()}, {time.strftime('%Y-%m-%d')}\n")

@@ -390,7 +390,7 @@ def work_train(args) -> dict:
 def results_file(path: Path, settings: dict, *, seed: int, pair: str, resume: bool):
     """A comparison's results (the runs saved at `path` with the same settings and seed when resuming, else none yet)
     and the function that writes them there, called after each run."""
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     results = {"machine": describe_machine(), "date": time.strftime("%Y-%m-%d"), "seed": seed, "pair": pair,
                "settings": settings, "before": None, "runs": []}
@@ -451,7 +451,7 @@ def best_runs(runs: list[dict]) -> dict[str, dict]:
 
 
 def print_table(results: dict) -> None:
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     settings, before, runs = results["settings"], results["before"], results["runs"]
     print(f"\n{results.get('machine', describe_machine())}, {results.get('date', '')}, seed {results['seed']}: "

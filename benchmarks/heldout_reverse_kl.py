@@ -72,7 +72,7 @@ def main() -> None:
             for seed in args.seeds
         ]
 
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     print(f"\nHeld-out KL(student || teacher), 32 prompts x 2 samples, mean (range) over seeds {args.seeds}; "
           f"{describe_machine()}, {time.strftime('%Y-%m-%d')}\n")

@@ -11,9 +11,9 @@ fine-tuning with the 'ema' self-teacher beside one CPU-bound process 122 of 126 
 ended by SIGABRT after both ranks saved: "terminate called without an active exception" during the interpreter's
 finalization, launch_exits_ema_loaded_stacks.json), and every rank exited with gloo's threads still running. The cause:
 under ZeRO-3 the process groups outlived `destroy_process_group` (each partitioned parameter names its group, and
-DeepSpeed keeps each model it wrapped), so they were destroyed during finalization. After `trl_opd.cli.end_processes`:
-'ema' beside a CPU-bound process 30 of 30, the smoke recipe 30 of 30, and no rank of the 60 launches exited with a
-process group left (launch_exits_ema_loaded.json, launch_exits_smoke.json).
+DeepSpeed keeps each model it wrapped), so they were destroyed during finalization. After
+`trl_opd.tools.cli.end_processes`: 'ema' beside a CPU-bound process 30 of 30, the smoke recipe 30 of 30, and no rank of
+the 60 launches exited with a process group left (launch_exits_ema_loaded.json, launch_exits_smoke.json).
 
 Each launch is what the suite's multi-process tests run (the smoke recipe, 2 steps, `recipes/accelerate/zero3_cpu.yaml`,
 saving a checkpoint), with Python's fault handler on, so that a process that aborts prints every thread's stack, and

@@ -119,9 +119,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from trl_opd.comparison import describe_machine
-    from trl_opd.testing import DelayedTeacherProxy, TeacherServerProcess
     from trl_opd.tiny import make_tiny
+    from trl_opd.tools.comparison import describe_machine
+    from trl_opd.tools.testing import DelayedTeacherProxy, TeacherServerProcess
 
     tiny = make_tiny(args.tiny)
     teacher = AutoModelForCausalLM.from_pretrained(tiny / "teacher").eval()

@@ -6,9 +6,9 @@
 
 The student and teacher are Hub ids (`--student`, `--teacher`), read from their copies in OPD_MODELS_DIR where it is
 set. The same student, teacher, prompts, LoRA (r 8), learning rate, completions per step and steps for every method
-(`trl_opd.comparison.run_method`, each in its own process for its peak memory). Held-out accuracy (with its binomial
-standard error), greedy and sampled at temperature 1, and exact KL(student || teacher) on the student's samples for
-`--eval-prompts` held-out programs, before and after; seconds per step with the held-out evaluations left out, and
+(`trl_opd.tools.comparison.run_method`, each in its own process for its peak memory). Held-out accuracy (with its
+binomial standard error), greedy and sampled at temperature 1, and exact KL(student || teacher) on the student's samples
+for `--eval-prompts` held-out programs, before and after; seconds per step with the held-out evaluations left out, and
 each method's against TRL's DistillationTrainer's in the same run.
 """
 
@@ -31,9 +31,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def run_one(method: str, args) -> dict:
     from datasets import load_dataset
 
-    from trl_opd.comparison import run_method
     from trl_opd.envs.code_output import printed_output_reward
     from trl_opd.models_dir import resolve_model
+    from trl_opd.tools.comparison import run_method
 
     # resolved in the method's own process, so the JSON the parent writes keeps the names as given
     args.student, args.teacher = resolve_model(args.student), resolve_model(args.teacher)
@@ -71,7 +71,7 @@ def _stderr(p: float, n: int) -> float:
 
 
 def print_table(runs: list[dict], args) -> None:
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     by_method = {run["method"]: run for run in runs}
     reference = by_method.get("trl-distillation")
@@ -98,7 +98,7 @@ def print_table(runs: list[dict], args) -> None:
               f"{run['peak_rss_mib'] / 1024:.1f} GiB |")
 
 def main() -> None:
-    from trl_opd.comparison import METHODS
+    from trl_opd.tools.comparison import METHODS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model_help = "a Hub id (read from its copy in OPD_MODELS_DIR where set) or a directory; default: %(default)s"

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_opd.comparison import describe_machine
 from trl_opd.envs.addition import completion_texts
 from trl_opd.envs.code_output import printed_output_reward
 from trl_opd.models_dir import resolve_model
+from trl_opd.tools.comparison import describe_machine
 
 
 def accuracy(texts: list[str], solutions: list[str]) -> dict:

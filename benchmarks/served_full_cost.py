@@ -121,9 +121,9 @@ def main() -> None:
         print("RESULT " + json.dumps(train(args)), flush=True)
         return
 
-    from trl_opd.comparison import describe_machine
     from trl_opd.models_dir import resolve_model
-    from trl_opd.testing import TeacherServerProcess
+    from trl_opd.tools.comparison import describe_machine
+    from trl_opd.tools.testing import TeacherServerProcess
 
     results = []
     for variant in args.variants:

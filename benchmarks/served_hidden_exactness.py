@@ -55,7 +55,7 @@ def measure(teacher: str, student: str, *, n: int, python: str, log: Path) -> di
     from trl_opd.teachers import LocalTeacher
     from trl_opd.teachers.local import freeze_teacher
     from trl_opd.teachers.served_hidden import HiddenStateTeacher, load_teacher_head
-    from trl_opd.testing import TeacherServerProcess
+    from trl_opd.tools.testing import TeacherServerProcess
 
     teacher_dir, student_dir = resolve_model(teacher), resolve_model(student)
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"), help="vLLM's interpreter")
     args = parser.parse_args()
-    from trl_opd.comparison import describe_machine
+    from trl_opd.tools.comparison import describe_machine
 
     results = []
     with tempfile.TemporaryDirectory() as scratch:

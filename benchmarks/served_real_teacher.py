@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_opd.comparison import describe_machine
 from trl_opd.evaluation import stop_token_ids, until_first_stop
 from trl_opd.models_dir import resolve_model
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
 from trl_opd.teachers.vllm_server import VLLMServerTeacher
-from trl_opd.testing import TeacherServerProcess
+from trl_opd.tools.comparison import describe_machine
+from trl_opd.tools.testing import TeacherServerProcess
 
 ROOT = Path(__file__).parents[1]
 

@@ -66,7 +66,7 @@ class StageTimer:
 def main(argv: list[str] | None = None) -> None:
     from transformers import TrainerCallback
 
-    from trl_opd import recipe
+    from trl_opd.tools import recipe
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True)
@@ -168,8 +168,8 @@ def trl_distillation_trainer(script_args, training_args, model_args):
     from transformers import AutoModelForCausalLM
     from trl import DistillationConfig, DistillationTrainer, get_peft_config
 
-    from trl_opd import recipe
     from trl_opd.models_dir import resolve_model
+    from trl_opd.tools import recipe
 
     same = ("max_steps", "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
             "max_completion_length", "temperature", "logging_steps", "lr_scheduler_type", "warmup_steps",

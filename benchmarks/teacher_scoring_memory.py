@@ -31,8 +31,8 @@ def main() -> None:
 
     from trl_opd.teachers import LocalTeacher
     from trl_opd.teachers.local import freeze_teacher
-    from trl_opd.testing import TensorMemoryMeter
     from trl_opd.tiny import build_model, build_tokenizer
+    from trl_opd.tools.testing import TensorMemoryMeter
 
     tokenizer = build_tokenizer()
     rows, prompt_len = 4, 16

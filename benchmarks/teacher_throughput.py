@@ -116,12 +116,12 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_opd.comparison import describe_machine
     from trl_opd.teachers import LocalTeacher
     from trl_opd.teachers.local import freeze_teacher
     from trl_opd.teachers.vllm_server import VLLMServerTeacher
-    from trl_opd.testing import TeacherServerProcess
     from trl_opd.tiny import make_tiny
+    from trl_opd.tools.comparison import describe_machine
+    from trl_opd.tools.testing import TeacherServerProcess
 
     torch.set_num_threads(os.cpu_count())
     teacher_dir = args.teacher or make_tiny(args.tiny) / "teacher"

@@ -8,7 +8,7 @@ the optimizer's state exists) each rank reports:
   each storage counted once;
 - loss peak: the largest tensor memory allocated on top of that by the loss forward and backward (the student's
   forward, the dense term, the backward; under ZeRO-3 the gathers of every layer and head), by
-  `trl_opd.testing.TensorMemoryMeter`, up to the optimizer's update;
+  `trl_opd.tools.testing.TensorMemoryMeter`, up to the optimizer's update;
 - step peak: the same over the whole step (generation, teacher scoring, loss, backward and update).
 Prints the markdown table of docs/scale-and-hub.md.
 
@@ -59,8 +59,8 @@ def worker(argv: list[str]) -> None:
     """One run (launched directly or by `accelerate launch`): train 2 steps, measure the second, write rank's JSON."""
     from transformers import TrainerCallback
 
-    from trl_opd import cli
-    from trl_opd.testing import TensorMemoryMeter
+    from trl_opd.tools import cli
+    from trl_opd.tools.testing import TensorMemoryMeter
     from trl_opd.trainer import OPDTrainer
 
     class SecondStepMemory(TrainerCallback):

@@ -86,7 +86,7 @@ def teacher_server_process(tiny, tmp_path_factory):
     """The session's vLLM server process (started, maybe not ready yet). Tests that stop it must restart it."""
     from pathlib import Path
 
-    from trl_opd.testing import TeacherServerProcess, install_wheel
+    from trl_opd.tools.testing import TeacherServerProcess, install_wheel
 
     python = os.environ.get("OPD_VLLM_PYTHON", str(Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"))
     if not Path(python).exists():
@@ -106,7 +106,7 @@ def hidden_server_process(tiny, tmp_path_factory):
     """A second server of the tiny teacher, `serve-teacher --hidden-states`: it returns final hidden states."""
     from pathlib import Path
 
-    from trl_opd.testing import TeacherServerProcess
+    from trl_opd.tools.testing import TeacherServerProcess
 
     python = os.environ.get("OPD_VLLM_PYTHON", str(Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"))
     server = TeacherServerProcess(tiny / "teacher", tmp_path_factory.mktemp("vllm_hidden") / "server.log", python,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from trl_opd.multiturn import check_environments
+from trl_opd.trainer.multiturn import check_environments
 
 torch.distributed.init_process_group("gloo")  # a group of its own: the check must not depend on who set it up
 rank = torch.distributed.get_rank()

@@ -16,7 +16,8 @@ import deepspeed
 import torch
 from datasets import load_dataset
 
-from trl_opd import OPDConfig, OPDTrainer, cli
+from trl_opd import OPDConfig, OPDTrainer
+from trl_opd.tools import cli
 
 tiny, output_dir, result = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 configured = cli._cpu_process_group()  # several CPU processes: gloo, set up before the arguments read the world size

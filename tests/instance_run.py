@@ -18,7 +18,8 @@ import torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM
 
-from trl_opd import OPDConfig, OPDTrainer, cli
+from trl_opd import OPDConfig, OPDTrainer
+from trl_opd.tools import cli
 
 tiny, output_dir, kind, result = Path(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4])
 configured = cli._cpu_process_group()  # several CPU processes: gloo, set up before the arguments read the world size

@@ -18,9 +18,12 @@ from pathlib import Path
 import torch
 from datasets import load_dataset
 
-import trl_opd.dense
-import trl_opd.student
-from trl_opd import OPDConfig, OPDTrainer, cli
+import trl_opd.trainer.dense
+import trl_opd.trainer.opd_trainer
+import trl_opd.trainer.student
+from trl_opd import OPDConfig, OPDTrainer
+from trl_opd.tools import cli
+from trl_opd.trainer.advantages import scores_kept
 
 tiny, output_dir, result, estimator, opd_coef = (Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4],
                                                  float(sys.argv[5]))
@@ -54,10 +57,12 @@ def record_entropy(out):  # head_token_stats at the distilled positions: (logps,
     micro_batches[-1]["entropy"] = out[1].tolist()
 
 
-trl_opd.dense.dense_divergence = recorded(trl_opd.dense.dense_divergence, record_dense)
-trl_opd.dense.dense_topk_divergence = recorded(trl_opd.dense.dense_topk_divergence, record_dense)
-trl_opd.dense.head_token_stats = recorded(trl_opd.dense.head_token_stats, record_entropy)  # the dense-only path
-trl_opd.student.head_token_stats = recorded(trl_opd.student.head_token_stats, record_entropy)  # GRPO's, on a CPU
+trl_opd.trainer.dense.dense_divergence = recorded(trl_opd.trainer.dense.dense_divergence, record_dense)
+trl_opd.trainer.dense.dense_topk_divergence = recorded(trl_opd.trainer.dense.dense_topk_divergence, record_dense)
+lean = trl_opd.trainer.opd_trainer  # the dense-only path
+lean.head_token_stats = recorded(lean.head_token_stats, record_entropy)
+compact = trl_opd.trainer.student  # GRPO's, on a CPU
+compact.head_token_stats = recorded(compact.head_token_stats, record_entropy)
 
 
 class RecordingTrainer(OPDTrainer):
@@ -66,9 +71,10 @@ class RecordingTrainer(OPDTrainer):
                               "mask": inputs["action_mask"].tolist()})
         return super()._compute_loss(model, inputs)
 
-    def _log_deferred_metrics(self, inputs, scores, old_per_token_logps, advantages):
-        micro_batches[-1]["reverse_kl"] = ((old_per_token_logps - scores.logps) * inputs["action_mask"]).tolist()
-        super()._log_deferred_metrics(inputs, scores, old_per_token_logps, advantages)
+    def _form_advantages(self, inputs, old_per_token_logps):
+        reverse_kl = (old_per_token_logps - scores_kept(inputs).logps) * inputs["action_mask"]
+        micro_batches[-1]["reverse_kl"] = reverse_kl.tolist()
+        super()._form_advantages(inputs, old_per_token_logps)
 
 
 prompts = load_dataset("json", data_files=str(tiny / "train.jsonl"), split="train").select(range(16))

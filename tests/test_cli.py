@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_opd import cli, recipe
+from trl_opd.tools import cli, recipe
 
 SMOKE = str(Path(__file__).parents[1] / "recipes" / "smoke_cpu.yaml")
 
@@ -92,6 +92,10 @@ def test_check_preflight_prints_zero_reference_kl_on_the_smoke_recipe(tiny, tmp_
     assert exit_code.value.code == 0
     assert "reference as teacher: opd/reverse_kl = 0.000000 (OK, 0 as expected)" in out
     assert "tokenizers: the student and the teacher agree" in out
+    shown = out.split("the run's plan")[1].splitlines()[1:]
+    plan = dict(line.split(None, 1) for line in shown[:shown.index(next(x for x in shown if not x.startswith("  ")))])
+    # what the smoke recipe decides: a local teacher, the default estimator for one, no rewards
+    assert (plan["teacher_source"], plan["estimator"], plan["rewards"]) == ("local", "full", "False")
     assert "first prompt, student's chat template: '<|im_start|>user\\nWhat is" in out
     reverse_kl = float(out.split("recipe's teacher:")[1].split("opd/reverse_kl = ")[1].split(",")[0])
     assert reverse_kl > 1.0  # the real teacher is far from the tiny student

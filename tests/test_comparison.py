@@ -3,7 +3,7 @@ evaluation's own samples), and the same held-out evaluation at the same steps.""
 
 import pytest
 
-from trl_opd.comparison import METHODS, run_method, summarize, task_inputs
+from trl_opd.tools.comparison import METHODS, run_method, summarize, task_inputs
 
 
 @pytest.fixture(scope="module")

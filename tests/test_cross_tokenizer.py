@@ -456,7 +456,7 @@ def test_text_prompts_are_tokenised_by_the_teacher(tiny, make_config, tiny_other
 
 
 def test_check_shows_both_tokenisations_of_a_rollout_chunk_by_chunk(tiny, tiny_other_teacher, tmp_path, capsys):
-    from trl_opd import cli
+    from trl_opd.tools import cli
 
     argv = ["check", "--config", "recipes/smoke_cpu.yaml", "--model_name_or_path", str(tiny / "student"),
             "--teacher_model_name_or_path", str(tiny_other_teacher), "--teacher_tokenizer_mode", "cross",
@@ -474,7 +474,7 @@ def test_check_shows_both_tokenisations_of_a_rollout_chunk_by_chunk(tiny, tiny_o
 
 def test_check_shows_a_tool_rollout_with_the_teachers_own_observations(tiny_agent, tiny_other_teacher, tmp_path,
                                                                         capsys):
-    from trl_opd import cli
+    from trl_opd.tools import cli
 
     argv = ["check", "--config", "recipes/agent_tools_cpu.yaml", "--model_name_or_path", str(tiny_agent / "student"),
             "--teacher_model_name_or_path", str(tiny_other_teacher), "--teacher_tokenizer_mode", "cross",
@@ -537,7 +537,7 @@ def test_routed_teachers_of_other_families_each_read_the_text_their_own_way(tiny
 def test_check_shows_the_routed_teacher_of_the_first_row(tiny, tiny_other_teacher, tmp_path, capsys):
     import json
 
-    from trl_opd import cli
+    from trl_opd.tools import cli
 
     rows = [json.loads(line) for line in open(tiny / "train.jsonl")][:64]
     data = tmp_path / "routed.jsonl"

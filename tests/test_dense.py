@@ -9,8 +9,8 @@ from trl import GRPOTrainer
 from trl_opd import OPDTrainer
 from trl_opd.heads import OutputHead, head_token_logps, head_topk_logps
 from trl_opd.loss import dense_reverse_kl, dense_topk_reverse_kl
-from trl_opd.student import completion_logps
-from trl_opd.testing import TensorMemoryMeter
+from trl_opd.tools.testing import TensorMemoryMeter
+from trl_opd.trainer.student import completion_logps
 
 
 def _naive_kl(student_hidden, student_weight, teacher_hidden, teacher_weight):

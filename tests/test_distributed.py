@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from trl_opd import cli
+from trl_opd.tools import cli
 
 ROOT = Path(__file__).parents[1]
 SMOKE = str(ROOT / "recipes" / "smoke_cpu.yaml")
@@ -219,7 +219,7 @@ def test_the_student_as_its_own_teacher_under_zero3_matches_one_process(tiny, tm
     sharded = _assert_same_training(two, one, dense_metric="opd/reverse_kl_dense")  # 'full', the default here
     assert all(entry["opd/reverse_kl_dense"] > 1e-3 for entry in sharded)
     if kind == "ema":
-        from trl_opd.self_distillation import EMA_WEIGHTS
+        from trl_opd.trainer.self_distillation import EMA_WEIGHTS
 
         averaged = [load_file(out / f"checkpoint-{STEPS}" / EMA_WEIGHTS) for out in (two, one)]
         assert averaged[0].keys() == averaged[1].keys() and averaged[0]
@@ -383,7 +383,7 @@ def test_two_machines_of_one_process_train_like_one_launch_of_two(tiny, tmp_path
 
 
 def test_a_rollout_that_lost_its_environment_on_one_rank_stops_every_rank():
-    from trl_opd.testing import free_port
+    from trl_opd.tools.testing import free_port
 
     # GRPO shows the model the tool's error and goes on; the check before scoring must stop both processes, or the
     # rank that lost nothing would wait forever in the next collective
@@ -400,7 +400,7 @@ def test_a_rollout_that_lost_its_environment_on_one_rank_stops_every_rank():
 def test_cpu_processes_without_deepspeed_are_refused(tiny, tmp_path):
     # torchrun without accelerate's DeepSpeed settings: the Trainer does not wrap the model for data parallelism, and
     # each process would train its own copy, saving one of them as if it were the run's
-    from trl_opd.testing import free_port
+    from trl_opd.tools.testing import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "-m", "trl_opd", *_args(tiny, tmp_path / "out")]

@@ -114,7 +114,7 @@ def test_the_preflight_accepts_a_recipe_with_another_divergence(tiny, tmp_path, 
     # its reference pass uses the sampled estimator, which must not inherit the recipe's beta (refused there)
     from pathlib import Path
 
-    from trl_opd import cli
+    from trl_opd.tools import cli
 
     smoke = str(Path(__file__).parents[1] / "recipes" / "smoke_cpu.yaml")
     argv = ["check", "--config", smoke, "--model_name_or_path", str(tiny / "student"), "--teacher_model_name_or_path",

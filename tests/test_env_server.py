@@ -41,7 +41,7 @@ class EnvServerProcess:
     stop its group. `wrapper` goes before the command (a fault injector)."""
 
     def __init__(self, log: Path, privileges: str = PRIVILEGES[0], wrapper: tuple[str, ...] = (), env=None):
-        from trl_opd.testing import free_port
+        from trl_opd.tools.testing import free_port
 
         self.log, self.port, self.privileges, self.wrapper, self.env = log, free_port(), privileges, wrapper, env
         self.url = f"http://127.0.0.1:{self.port}"
@@ -86,7 +86,7 @@ class EnvServerProcess:
 
     def stop(self) -> None:
         """Stop the server's whole process group and wait until it is gone."""
-        from trl_opd.testing import stop_process_group
+        from trl_opd.tools.testing import stop_process_group
 
         stop_process_group(self.process, timeout=15)
 
@@ -698,8 +698,8 @@ def test_the_reference_as_teacher_check_through_the_server_shows_a_rollout_with_
     """The smoke test of the whole data flow (server -> rollout -> old log-probs -> reference-as-teacher log-probs),
     as the real-model recipe's header runs it: `trl-opd check` with the recipe pointed at the running server, tiny
     models in place of the Qwen pair."""
-    from trl_opd import cli
     from trl_opd.envs.code_output import TOOL_INSTRUCTION, code_rows
+    from trl_opd.tools import cli
 
     dataset = tmp_path / "train.jsonl"
     dataset.write_text("".join(json.dumps(row) + "\n"
@@ -811,7 +811,7 @@ def test_a_malformed_observation_stops_the_batch_naming_the_server(answer):
     from accelerate import Accelerator
 
     from trl_opd.envs.code_env import CodeToolClient, EnvServerError
-    from trl_opd.multiturn import check_environments
+    from trl_opd.trainer.multiturn import check_environments
 
     server = MalformingServer(answer)
     try:
@@ -848,7 +848,7 @@ def test_a_killed_server_raises_an_error_naming_its_url(tmp_path, request):
     assert environment.failure == str(lost.value)
     from accelerate import Accelerator
 
-    from trl_opd.multiturn import check_environments
+    from trl_opd.trainer.multiturn import check_environments
 
     accelerator, healthy = Accelerator(cpu=True), CodeToolClient(env_server.url)
     check_environments([healthy], accelerator)  # nothing lost: no error

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_opd import cli
-from trl_opd.hub import HubPushError, merged_copy, push
-from trl_opd.testing import free_port
+from trl_opd.tools import cli
+from trl_opd.tools.testing import free_port
+from trl_opd.trainer.hub import HubPushError, merged_copy, push
 
 SMOKE = str(Path(__file__).parents[1] / "recipes" / "smoke_cpu.yaml")
 TOKEN = "hf_thisIsNotARealTokenButMustNeverBePrinted"

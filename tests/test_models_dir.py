@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from trl_opd.models_dir import resolve_model
-from trl_opd.recipe import make_parser
+from trl_opd.tools.recipe import make_parser
 
 ROOT = Path(__file__).parents[1]
 QWEN_05B, QWEN_15B = "Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct"

@@ -154,7 +154,7 @@ def test_tool_rollouts_distil_only_what_the_student_sampled(tiny_agent, make_con
     from datasets import load_dataset
 
     from trl_opd.envs import ARITHMETIC_TOOLS, ArithmeticToolEnv
-    from trl_opd.multiturn import render_action_mask
+    from trl_opd.trainer.multiturn import render_action_mask
 
     prompts = load_dataset("json", data_files=str(tiny_agent / "train.jsonl"), split="train")
     multi_turn = {"environment_factory": ArithmeticToolEnv} if path == "environment_factory" else {
@@ -258,7 +258,7 @@ def test_untagged_tool_calls_reach_the_tool_loop_and_are_refused_without_one(tin
 
 
 def test_render_action_mask_brackets_what_is_not_distilled(tokenizer):
-    from trl_opd.multiturn import render_action_mask
+    from trl_opd.trainer.multiturn import render_action_mask
 
     ids = tokenizer.encode("The answer" + OBSERVATION + "is 7.")
     observation = len(tokenizer.encode("The answer")), len(tokenizer.encode("The answer" + OBSERVATION))

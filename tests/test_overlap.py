@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trl_opd import OPDConfig, OPDTrainer
-from trl_opd.testing import DelayedTeacherProxy, LoopbackHTTPServer
+from trl_opd.tools.testing import DelayedTeacherProxy, LoopbackHTTPServer
 
 
 def _logs(trainer, name):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_opd.checkpoints import is_complete, last_complete_checkpoint, resolve_resume
+from trl_opd.trainer.checkpoints import is_complete, last_complete_checkpoint, resolve_resume
 
 SMOKE = str(Path(__file__).parents[1] / "recipes" / "smoke_cpu.yaml")
 STEPS, SAVE_EVERY = 30, 2

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trl_opd import cli
 from trl_opd.models_dir import resolve_model
+from trl_opd.tools import cli
 
 QWEN_05B, QWEN_15B = "Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -153,7 +153,7 @@ def test_tool_calls_of_both_qwen_templates_are_parsed_and_untagged_ones_on_reque
     from transformers import AutoTokenizer
     from trl.chat_template_utils import add_response_schema, parse_response
 
-    from trl_opd.multiturn import set_tool_call_parser
+    from trl_opd.trainer.multiturn import set_tool_call_parser
 
     call = {"type": "function", "function": {"name": "run_python", "arguments": {"code": "print(1)"}}}
     tagged = '<tool_call>\n{"name": "run_python", "arguments": {"code": "print(1)"}}\n</tool_call><|im_end|>'

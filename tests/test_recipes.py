@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trl_opd.recipe import load_reward_funcs, make_parser
+from trl_opd.tools.recipe import load_reward_funcs, make_parser
 
 ROOT = Path(__file__).parents[1]
 RECIPES = sorted(ROOT.glob("recipes/*.yaml"))

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from trl_opd import cli, recipe
 from trl_opd.teachers.vllm_server import TeacherServerError, VLLMServerTeacher
-from trl_opd.testing import LoopbackHTTPServer, free_port
+from trl_opd.tools import cli, recipe
+from trl_opd.tools.testing import LoopbackHTTPServer, free_port
 
 ROOT = Path(__file__).parents[1]
 SMOKE_SERVED = str(ROOT / "recipes" / "smoke_cpu_served.yaml")

@@ -148,7 +148,7 @@ def test_the_ema_adapter_scores_without_dropout_while_the_student_trains(tiny, p
     torch.testing.assert_close(trainer.teacher.score(*batch).logps, first, atol=0, rtol=0)
 
 def test_ema_teacher_is_saved_with_each_checkpoint_and_restored_on_resume(tiny, prompts, make_config):
-    from trl_opd.self_distillation import EMA_WEIGHTS
+    from trl_opd.trainer.self_distillation import EMA_WEIGHTS
 
     def run(**overrides):
         return _trainer(tiny, prompts, make_config, peft=True, student_as_teacher="ema", teacher_ema_rate=0.5,
@@ -313,7 +313,7 @@ def test_topk_mass_of_each_side_is_logged(tiny, prompts, tokenizer, make_config,
 
 
 def test_check_shows_the_students_prompt_beside_the_teachers_filled_template(tiny, tmp_path, capsys):
-    from trl_opd import cli
+    from trl_opd.tools import cli
 
     argv = ["check", "--config", "recipes/smoke_cpu.yaml", "--model_name_or_path", str(tiny / "student"),
             "--teacher_model_name_or_path", "", "--student_as_teacher", "initial", "--dataset_name",

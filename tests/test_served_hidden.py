@@ -11,7 +11,7 @@ from trl_opd import OPDTrainer
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
 from trl_opd.teachers.served_hidden import HiddenStateTeacher, load_teacher_head
-from trl_opd.testing import padded_batch
+from trl_opd.tools.testing import padded_batch
 
 
 def _close(actual, expected, rel=1e-5):
@@ -180,7 +180,7 @@ def test_the_default_estimator_of_a_served_teacher_is_what_its_server_gives(hidd
 def _fake_teacher(tokenizer, info, hidden=None):
     """A fake server that tokenizes as `tokenizer`, answers /opd/info with `info` (404 when None) and /opd/hidden
     with `hidden()`'s (status, answer, headers)."""
-    from trl_opd.testing import LoopbackHTTPServer
+    from trl_opd.tools.testing import LoopbackHTTPServer
 
     def respond(path, headers, body):
         if path == "/opd/info":
@@ -270,7 +270,7 @@ def test_a_dropped_answer_is_retried_and_a_malformed_one_stops_the_batch(tiny, t
 
 
 def test_serve_teacher_refuses_hidden_states_from_an_older_vllm(tmp_path, capsys):
-    from trl_opd import serve
+    from trl_opd.tools import serve
 
     old = tmp_path / "python"  # an interpreter whose vllm is 0.30
     old.write_text("#!/bin/sh\necho \"__version__ = version = '0.30.1'\"\n")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from trl.rewards import accuracy_reward
 
-from trl_opd import cli
 from trl_opd.envs.addition import TASK_SETTINGS, addition_rows, is_heldout
+from trl_opd.tools import cli
 
 ROOT = Path(__file__).parents[1]
 RECIPE = str(ROOT / "recipes" / "addition_cpu.yaml")

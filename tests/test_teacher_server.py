@@ -12,11 +12,11 @@ import torch
 from transformers import TrainerCallback
 
 from trl_opd import OPDTrainer
-from trl_opd.serve import ROUTE_DIR, server_env, vllm_command
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
 from trl_opd.teachers.vllm_server import TeacherServerError, VLLMServerTeacher
-from trl_opd.testing import LoopbackHTTPServer, free_port, padded_batch
+from trl_opd.tools.serve import ROUTE_DIR, server_env, vllm_command
+from trl_opd.tools.testing import LoopbackHTTPServer, free_port, padded_batch
 
 # ------------------------------------------------------------------------------------------------ real server
 
@@ -390,7 +390,7 @@ def test_the_server_runs_from_a_wheel_install_with_its_compact_endpoint(teacher_
 
 
 def test_serve_teacher_refuses_an_install_without_its_scoring_endpoint(tmp_path, monkeypatch, capsys):
-    from trl_opd import serve
+    from trl_opd.tools import serve
 
     monkeypatch.setattr(serve, "ROUTE_DIR", tmp_path)  # an install that lost the module
     with pytest.raises(SystemExit, match="lacks its scoring endpoint .*Reinstall trl_opd"):

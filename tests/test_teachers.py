@@ -4,8 +4,8 @@ import torch
 
 from trl_opd.teachers import LocalTeacher
 from trl_opd.teachers.local import freeze_teacher
-from trl_opd.testing import TensorMemoryMeter
 from trl_opd.tiny import build_model
+from trl_opd.tools.testing import TensorMemoryMeter
 
 
 def _batch(tokenizer, vocab_size, *, seed=0, rows=3, prompt_len=6, completion_len=5):

@@ -207,7 +207,7 @@ def test_accuracy_is_logged_in_training_and_evaluation_and_never_trained_on(tiny
 
 
 def test_the_loss_forward_instruction_projects_observes_and_reuses_as_told():
-    from trl_opd.grpo_calls import LossForward
+    from trl_opd.trainer.grpo_calls import LossForward
 
     grpo_calls, observed = [], []
 
@@ -232,7 +232,7 @@ def test_the_loss_forward_instruction_projects_observes_and_reuses_as_told():
 
 
 def test_grpo_attributes_are_restored_however_the_block_ends_and_unknown_ones_refused():
-    from trl_opd.grpo_calls import grpo_attributes
+    from trl_opd.trainer.grpo_calls import grpo_attributes
 
     class Trainer:
         beta, epsilon_low = 0.1, 0.2
@@ -260,7 +260,7 @@ def _digit_reward(completions, **kwargs):
 def test_the_batch_opd_hands_to_the_loss_holds_only_the_keys_its_table_declares(tiny, prompts, make_config, options):
     from trl import GRPOTrainer
 
-    from trl_opd.batch import GRPO_KEYS_SET, OPD_KEYS
+    from trl_opd.trainer.batch import GRPO_KEYS_SET, OPD_KEYS
 
     rewards = [_digit_reward] if options.get("num_generations") else None
     trainer = _trainer(tiny, prompts, make_config(max_steps=1, **options), reward_funcs=rewards)
@@ -272,7 +272,7 @@ def test_the_batch_opd_hands_to_the_loss_holds_only_the_keys_its_table_declares(
 
 
 def test_pass_sums_add_up_one_pass_over_a_generation_batch_then_start_again():
-    from trl_opd.metrics import PassSums
+    from trl_opd.trainer.metrics import PassSums
 
     # 4 rows here in micro-batches of 2: the sums of both come back with the second, and a second pass starts at 0
     sums = PassSums(rows=4)

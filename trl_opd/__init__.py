@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "OPDConfig": "trl_opd.config",
-    "OPDTrainer": "trl_opd.trainer",
+    "OPDTrainer": "trl_opd.trainer.opd_trainer",
     "LocalTeacher": "trl_opd.teachers",
     "VLLMServerTeacher": "trl_opd.teachers",
     "TeacherScorer": "trl_opd.teachers",
@@ -25,7 +25,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .config import OPDConfig
     from .teachers import LocalTeacher, TeacherScorer, TeacherScores, VLLMServerTeacher
-    from .trainer import OPDTrainer
+    from .trainer.opd_trainer import OPDTrainer
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
 """`python -m trl_opd ...` is `trl-opd ...` (and what `accelerate launch -m trl_opd` runs)."""
 
-from trl_opd.cli import main
+from trl_opd.tools.cli import main
 
 main()

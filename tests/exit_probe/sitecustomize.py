@@ -1,6 +1,6 @@
 """Put on PYTHONPATH of a launch's workers: each reports, at exit, the process-group threads still running.
 
-`trl_opd.cli.end_processes` destroys the groups before the interpreter's finalization, where destroying a gloo
+`trl_opd.tools.cli.end_processes` destroys the groups before the interpreter's finalization, where destroying a gloo
 group can abort the process; a worker that exits with gloo's threads still running has left one for finalization.
 """
 

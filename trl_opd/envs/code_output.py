@@ -88,7 +88,7 @@ def stated_answers(completion: str) -> list[str]:
     """The answers a reply states: the reply itself (`answer_text`) and, where it is a JSON object (bare or in one
     code fence), its `ANSWER_FIELDS`. After a `run_python` call, Qwen2.5-Coder 0.5B and 1.5B restate the call as
     JSON with the tool's output in a "return" field instead of replying with the output alone."""
-    from trl_opd.multiturn import json_reply
+    from trl_opd.trainer.multiturn import json_reply
 
     value = json_reply(completion)
     fields = [value.get(key) for key in ANSWER_FIELDS] if isinstance(value, dict) else []

@@ -10,7 +10,7 @@ Failures are never an empty observation. A reset that cannot reach the server is
 call whose connection is lost, or whose answer is not a code tool result (not JSON, no string `output`, a field of
 the wrong type), raises `EnvServerError` at once (the episode lived in that server session) and sets `failure`:
 TRL turns an exception in a tool into an `{"error": ...}` tool message for the model, and `OPDTrainer` then stops
-before that batch is scored or trained on (`trl_opd.multiturn.check_environments`).
+before that batch is scored or trained on (`trl_opd.trainer.multiturn.check_environments`).
 """
 
 from __future__ import annotations

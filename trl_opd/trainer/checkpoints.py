@@ -56,7 +56,7 @@ def resolve_resume(resume_from_checkpoint, output_dir) -> str | None:
 
 def _check_checkpoint_weights(checkpoint) -> None:
     """A checkpoint whose weight files are damaged names the file and the newest complete checkpoint before it."""
-    from .checks import check_weight_files
+    from ..checks import check_weight_files
 
     try:
         check_weight_files(checkpoint, role="checkpoint's")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .loss import opd_advantages
-from .teachers.base import TeacherScores
+from ..loss import opd_advantages
+from ..teachers.base import TeacherScores
 
 # The teacher's per-token scores a deferred batch keeps, by batch key and TeacherScores field
 DEFERRED_SCORES = {"teacher_per_token_logps": "logps", "teacher_is_top1": "is_top1", "teacher_entropy": "entropy",

@@ -13,8 +13,8 @@ from functools import partial
 import torch
 from trl.trainer.utils import pad
 
-from .prompts import teacher_context, teacher_prompt
-from .teachers import TeacherScores
+from ..prompts import teacher_context, teacher_prompt
+from ..teachers import TeacherScores
 
 # Each function reads the trainer's `teacher` (the scorer) and the last generation's prompts and messages
 # (`_student_prompts`, `_student_completions`), and GRPO's `args`, `_tokenizer`, `_tokenize_prompts`, `rollout_func`,

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .evaluation import HeldoutReverseKLCallback
+from ..evaluation import HeldoutReverseKLCallback
 
 METHODS = ("opd", "opd-forward-kl", "opd-jsd", "opd-sampled", "trl-distillation", "grpo", "sft")
 # OPDTrainer's settings per OPD method: its defaults (the full-vocabulary reverse KL here), the same term with another
@@ -63,7 +63,7 @@ class _CurveCallback(HeldoutReverseKLCallback):
 
 def _teacher_answers(teacher, tokenizer, prompts: list, *, max_new_tokens: int, seed: int) -> tuple[list, list[int]]:
     """The teacher's sampled answers (temperature 1) to `prompts`, and the tokens each took."""
-    from .envs.addition import completion_texts
+    from ..envs.addition import completion_texts
 
     texts, lengths = completion_texts(teacher, tokenizer, prompts, max_new_tokens=max_new_tokens, do_sample=True,
                                       seed=seed, with_lengths=True)
@@ -135,7 +135,7 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
     with tempfile.TemporaryDirectory() as scratch:
         common["output_dir"] = output_dir or scratch
         if method.startswith("opd"):
-            from . import OPDConfig, OPDTrainer
+            from .. import OPDConfig, OPDTrainer
 
             trainer = OPDTrainer(model=student, teacher_model=teacher, train_dataset=prompts,
                                  processing_class=tokenizer, **peft,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .loss import divergence_name
+from ..loss import divergence_name
 
 
 @dataclass(frozen=True)

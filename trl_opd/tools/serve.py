@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 # The compact scoring endpoint, imported by the server from ROUTE_DIR (which holds that one module only)
-ROUTE_DIR = Path(__file__).parent / "server_route"
+ROUTE_DIR = Path(__file__).parents[1] / "server_route"
 SCORING_ROUTE = "opd_scoring_route.opd_scoring"
 # The prefill chunk (tokens) and GPU share set for scoring, see the module docstring
 SCORING_BATCHED_TOKENS = 2048

@@ -15,8 +15,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..secrets import masked, without_secrets
 from .metrics import metric_text
-from .secrets import masked, without_secrets
 
 # The facts behind the model card, kept beside it so a merged copy can get its own card
 CARD_FACTS = "opd_training.json"

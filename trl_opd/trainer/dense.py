@@ -16,10 +16,10 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .heads import OutputHead
-from .loss import dense_divergence, dense_topk_divergence, divergence_name
+from ..heads import OutputHead
+from ..loss import dense_divergence, dense_topk_divergence, divergence_name
+from ..teachers.base import TeacherScores
 from .metrics import OPDMetrics
-from .teachers.base import TeacherScores
 
 
 class _ForwardOnly:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .teachers import TeacherScores
+from ..teachers import TeacherScores
 
 logger = logging.getLogger(__name__)
 

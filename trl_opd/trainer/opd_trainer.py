@@ -22,16 +22,23 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.models.utils import _ForwardRedirection, disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, use_adapter
 
+from ..alignment import ByteVocabulary
+from ..checks import check_chat_template, check_head_projectable, check_model_files, check_opd_inputs
+from ..config import OPDConfig
+from ..heads import head_token_stats
+from ..loss import aggregate_as_loss_type, shared_temperature
+from ..teachers import LocalTeacher, TeacherScorer, TeacherScores
+from ..teachers.byte_credit import student_prefix_shift
+from ..teachers.cross import CrossTokenizerTeacher
+from ..teachers.loading import load_cross_tokenizers, load_teachers
+from ..teachers.local import freeze_teacher
+from ..teachers.reference import ReferenceTeacher
+from ..teachers.routed import RoutedTeacher
 from . import teacher_inputs
 from .advantages import defer_advantages, is_deferred, scores_kept, set_advantages
-from .alignment import ByteVocabulary
-from .checks import check_chat_template, check_head_projectable, check_model_files, check_opd_inputs
-from .config import OPDConfig
 from .dense import DenseTerm, _ForwardOnly, has_dense_term
 from .grpo_calls import LossForward, grpo_attributes
-from .heads import head_token_stats
 from .hub import HubMixin
-from .loss import aggregate_as_loss_type, shared_temperature
 from .metrics import CompletionTokenCount, OPDMetrics
 from .multiturn import action_mask, action_mask_as_env_mask, check_environments, set_tool_call_parser, skip_first
 from .overlap import OverlapScheduler
@@ -40,13 +47,6 @@ from .policy import POLICY_TERM_ONLY, metrics_renamed_opd, opd_objective
 from .runs import check_finite_logps, check_finite_step, resume_or_claim
 from .self_distillation import TeacherEMA, reference_from_student, self_teacher
 from .student import causal_lm, completion_logps, is_multimodal, student_head
-from .teachers import LocalTeacher, TeacherScorer, TeacherScores
-from .teachers.byte_credit import student_prefix_shift
-from .teachers.cross import CrossTokenizerTeacher
-from .teachers.loading import load_cross_tokenizers, load_teachers
-from .teachers.local import freeze_teacher
-from .teachers.reference import ReferenceTeacher
-from .teachers.routed import RoutedTeacher
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         if in_loss_forward:
             if output.get("old_per_token_logps") is not None:
                 raise RuntimeError("GRPO computed old log-probs for a batch the plan forms its advantages for in the "
-                                   "loss forward: this TRL decides that otherwise than trl_opd.plan expects.")
+                                   "loss forward: this TRL decides that otherwise than trl_opd.trainer.plan expects.")
             check_finite_logps(scores.logps, None, mask, accelerator=self.accelerator, step=self.state.global_step)
             rows = output["completion_ids"].size(0)
             defer_advantages(output, scores, self.plan, self.opd_metrics.table_row_index(rows))

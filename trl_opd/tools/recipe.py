@@ -13,8 +13,8 @@ from pathlib import Path
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from .config import OPDConfig
-from .prompts import with_system_message
+from ..config import OPDConfig
+from ..prompts import with_system_message
 
 _LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -190,8 +190,8 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
     """An OPDTrainer from parsed recipe arguments (the recipe's train split unless `train_dataset` is given)."""
     from trl import get_peft_config
 
-    from .models_dir import resolve_model
-    from .trainer import OPDTrainer
+    from ..models_dir import resolve_model
+    from ..trainer.opd_trainer import OPDTrainer
 
     # a Hub id mirrored in OPD_MODELS_DIR is read from there, and named so downstream (model card, `trl-opd check`)
     model_args.model_name_or_path = resolve_model(model_args.model_name_or_path)

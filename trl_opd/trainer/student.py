@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from accelerate.utils import is_peft_model
 
-from .heads import OutputHead, head_token_logps, head_token_stats
+from ..heads import OutputHead, head_token_logps, head_token_stats
 
 # inputs that GRPO's loss forward passes to a vision-language student: those forwards are left to GRPO
 MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",

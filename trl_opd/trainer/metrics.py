@@ -15,8 +15,8 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .loss import opd_metric_sums, opd_metrics_from_sums
-from .teachers.base import TeacherScores
+from ..loss import opd_metric_sums, opd_metrics_from_sums
+from ..teachers.base import TeacherScores
 
 # How a metric that applies to nothing in its logging window reads wherever logged metrics are shown
 NOT_APPLICABLE = "n/a"

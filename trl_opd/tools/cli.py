@@ -18,8 +18,8 @@ from pathlib import Path
 
 from trl import ModelConfig
 
-from .config import OPDConfig
-from .metrics import metric_text
+from ..config import OPDConfig
+from ..trainer.metrics import metric_text
 from .recipe import OPDScriptArguments, build_trainer, make_parser
 
 
@@ -31,7 +31,7 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
     unreachable Hub stops the run before training), checkpoints are pushed as `hub_strategy` says, and the final
     model after its local save. With `push_merged` the final push is the adapter merged into its base model instead.
     """
-    from .hub import push, pushing
+    from ..trainer.hub import push, pushing
 
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
     merged = training_args.push_to_hub and script_args.push_merged
@@ -60,7 +60,7 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
         trainer.create_model_card()
     trainer.accelerator.print(f"Saved the trained {'adapter' if model_args.use_peft else 'model'} to {output_dir}")
     if trainer.eval_dataset is not None and trainer.accelerator.is_main_process:
-        from .evaluation import heldout_curve, write_heldout_curve
+        from ..evaluation import heldout_curve, write_heldout_curve
 
         written = write_heldout_curve(heldout_curve(trainer.state.log_history), output_dir)
         print(f"Held-out curve: {', '.join(map(str, written))}")
@@ -99,19 +99,19 @@ def print_eval_summary(trainer) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["make-tiny"]:
-        from .tiny import main as make_tiny_main
+        from ..tiny import main as make_tiny_main
 
         return make_tiny_main(argv[1:])
     if argv[:1] == ["make-tiny-agent"]:
-        from .envs.tiny_agent import main as make_tiny_agent_main
+        from ..envs.tiny_agent import main as make_tiny_agent_main
 
         return make_tiny_agent_main(argv[1:])
     if argv[:1] == ["make-tiny-task"]:
-        from .envs.addition import main as make_tiny_task_main
+        from ..envs.addition import main as make_tiny_task_main
 
         return make_tiny_task_main(argv[1:])
     if argv[:1] == ["make-code-task"]:
-        from .envs.code_output import main as make_code_task_main
+        from ..envs.code_output import main as make_code_task_main
 
         return make_code_task_main(argv[1:])
     if argv[:1] == ["serve-teacher"]:
@@ -119,11 +119,11 @@ def main(argv: list[str] | None = None) -> None:
 
         return serve_main(argv[1:])
     if argv[:1] == ["serve-env"]:
-        from .envs.code_env.server import main as serve_env_main
+        from ..envs.code_env.server import main as serve_env_main
 
         return serve_env_main(argv[1:])
     if argv[:1] == ["push"]:
-        from .hub import main as push_main
+        from ..trainer.hub import main as push_main
 
         return push_main(argv[1:])
     command = argv.pop(0) if argv[:1] in (["check"], ["train"]) else "train"

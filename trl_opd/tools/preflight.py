@@ -16,9 +16,10 @@ import tempfile
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
-from . import teacher_inputs
-from .metrics import metric_text
-from .prompts import teacher_context, teacher_prompt
+from ..prompts import teacher_context, teacher_prompt
+from ..trainer import teacher_inputs
+from ..trainer.advantages import is_deferred
+from ..trainer.metrics import metric_text
 from .recipe import build_trainer, load_prompts
 
 # Everything that names a teacher, reset so that the reference pass uses ref_as_teacher alone
@@ -61,7 +62,7 @@ def _one_batch_metrics(script_args, training_args, model_args, dataset) -> tuple
         batch = next(iter(trainer.get_train_dataloader()))
         trainer.model_wrapped.train()
         output = trainer._generate_and_score_completions(batch)
-        if "teacher_per_token_logps" in output:  # a dense term alone logs its metrics from the loss forward
+        if is_deferred(output):  # the advantages (and their metrics) are formed in the loss forward
             trainer.current_gradient_accumulation_steps = training_args.gradient_accumulation_steps  # as the loop does
             with torch.no_grad():
                 trainer.compute_loss(trainer.model_wrapped, output)
@@ -135,6 +136,7 @@ def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dic
          "cross; checked at start-up)" if cross else
          "tokenizers: the student and the teacher agree (checked at start-up)")
     teacher, trainer, output, batch = _one_batch_metrics(script_args, teacher_args, model_args, rows)
+    echo(f"the run's plan (decided once, logged at the start of training):\n{trainer.plan.describe()}")
 
     prompt = rows[0]["prompt"]
     shown_to_teacher = teacher_prompt(rows[0], prompt, **teacher_context(training_args))
@@ -173,13 +175,13 @@ def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dic
     details = ", ".join(f"{name} = {metric_text(value, '.4f')}" for name, value in sorted(teacher.items()))
     echo(f"recipe's teacher: {details}")
     _release(trainer)
-    return {"ok": ok, "reference": reference, "teacher": teacher}
+    return {"ok": ok, "reference": reference, "teacher": teacher, "plan": dataclasses.asdict(trainer.plan)}
 
 
 def _echo_rollout(tokenizer, output, echo) -> int:
     """One rollout with what is distilled: a multi-turn one (observations present) if the batch has any. Returns its
     row."""
-    from .multiturn import render_action_mask
+    from ..trainer.multiturn import render_action_mask
 
     completion_mask, action_mask = output["completion_mask"], output["action_mask"]
     multi_turn = ((completion_mask - action_mask) > 0).any(-1).nonzero().flatten().tolist()

@@ -11,7 +11,7 @@ from pathlib import Path
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 
-from .teachers.student import EMA_ADAPTER, StudentTeacher, TeacherAverage, add_ema_adapter, copy_parameters, ema_pairs
+from ..teachers.student import EMA_ADAPTER, StudentTeacher, TeacherAverage, add_ema_adapter, copy_parameters, ema_pairs
 
 EMA_WEIGHTS = "teacher_ema.safetensors"  # in each checkpoint of a run with student_as_teacher: ema
 
