@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .config_checks import check_run_options
 from .prompts import template_columns
-from .teachers.vllm_server import is_served
 
 
 def check_prompt_dataset(dataset, *, name: str = "train_dataset", required: dict[str, str] | None = None,
@@ -118,49 +118,12 @@ def check_opd_inputs(model, teacher_model, args, train_dataset, eval_dataset, re
             if row is not None:
                 raise ValueError(f"{name} row {row} has no {column!r} (None), which teacher_prompt_template "
                                  f"{args.teacher_prompt_template!r} reads. Fill it, or drop the rows without it.")
-    other_sources = args.teacher_server_url or args.ref_as_teacher or args.student_as_teacher or args.teachers
-    if teacher_model is not None and other_sources:
-        raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
-    if args.teacher_source(teacher_model) is None:
-        raise ValueError(
-            "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set one of "
-            "`teacher_model_name_or_path`, `teacher_server_url`, `teachers`, `ref_as_teacher` or "
-            "`student_as_teacher`."
-        )
-    if (args.ref_as_teacher or args.student_as_teacher) and args.teacher_temperature != 1.0:
-        raise ValueError(
-            "teacher_temperature does not apply to ref_as_teacher / student_as_teacher: the student as its own "
-            "teacher scores at its sampling `temperature`, so that it starts equal to its teacher."
-        )
-    if args.ref_as_teacher and args.sync_ref_model:
-        raise ValueError(
-            "sync_ref_model moves GRPO's reference model towards the student, and ref_as_teacher reads that "
-            "reference as the teacher: the teacher would drift to the student. Remove sync_ref_model; for a "
-            "teacher that follows the student, use student_as_teacher: ema."
-        )
     if args.teachers:
         check_routes(datasets, args)
-    elif args.teacher_route_column != "teacher":
-        raise ValueError(f"teacher_route_column={args.teacher_route_column!r} routes rows among `teachers`, and "
-                         "none are set. Remove it, or set teachers.")
-    check_options_apply(args, has_rewards=bool(reward_funcs))
-    check_teacher_loading(teacher_model, args)
-    if args.student_as_teacher:
-        from accelerate.utils import is_peft_model
+    from accelerate.utils import is_peft_model
 
-        check_self_teacher(args, has_rewards=bool(reward_funcs),
-                           peft=peft_config is not None or (not isinstance(model, str) and is_peft_model(model)))
-    if args.fsdp or args.distributed_state.distributed_type == "FSDP":
-        raise ValueError(
-            "FSDP is not supported: the dense estimators and sharded teachers are built and tested on DeepSpeed "
-            "ZeRO-3, which shards the student and the teacher across processes and runs every estimator and teacher "
-            "source. Launch with a ZeRO-3 config (recipes/accelerate/zero3.yaml), or use DDP or one process."
-        )
-    if reward_funcs and args.num_generations < 2:
-        raise ValueError(
-            "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
-            f"set num_generations >= 2 (got {args.num_generations})."
-        )
+    check_run_options(args, teacher_model=teacher_model, rewards=bool(reward_funcs),
+                      peft=peft_config is not None or (not isinstance(model, str) and is_peft_model(model)))
 
 
 def check_reward_processing_classes(reward_funcs: list, reward_processing_classes) -> None:
@@ -169,119 +132,6 @@ def check_reward_processing_classes(reward_funcs: list, reward_processing_classe
     if reward_processing_classes is not None and not reward_funcs:
         raise ValueError("reward_processing_classes gives the tokenizers of reward models in reward_funcs, and no "
                          "reward_funcs were passed: pass the reward models too, or remove reward_processing_classes.")
-
-
-def check_options_apply(args, *, has_rewards: bool) -> None:
-    """Every OPD option set must act on this configuration: a run that ignores one, or has no signal to learn from,
-    is refused before anything loads, never trained with healthy-looking metrics."""
-    sampled_term = args.opd_coef != 0.0
-    dense_term = args.opd_estimator != "sampled" and args.opd_dense_coef != 0.0  # None resolves to 1.0 there
-    if not (sampled_term or dense_term or has_rewards):
-        raise ValueError(
-            f"Nothing to learn from: opd_coef is 0 (no sampled-token term) and opd_estimator={args.opd_estimator!r} "
-            f"{'has no dense term' if args.opd_estimator == 'sampled' else 'has opd_dense_coef 0'}, with no reward "
-            "functions. Set opd_coef > 0, or a dense estimator ('topk', 'full') with opd_dense_coef > 0."
-        )
-    if not sampled_term:
-        for option, active in (("opd_objective='importance_sampling'", args.opd_objective == "importance_sampling"),
-                               (f"kl_discount_factor={args.kl_discount_factor}", args.kl_discount_factor > 0.0)):
-            if active:
-                raise ValueError(
-                    f"{option} shapes the sampled-token term, which opd_coef=0 switches off (the default with "
-                    f"opd_estimator={args.opd_estimator!r}). Set opd_coef > 0 to add that term, or remove the option."
-                )
-    if not sampled_term and not has_rewards:
-        # every advantage is 0: GRPO's options that shape its policy-gradient term would multiply nothing
-        for option, active in (
-                (f"top_entropy_quantile={args.top_entropy_quantile}", args.top_entropy_quantile < 1.0),
-                (f"off_policy_mask_threshold={args.off_policy_mask_threshold}",
-                 args.off_policy_mask_threshold is not None),
-                (f"delta={args.delta}", args.delta is not None),
-                (f"importance_sampling_level={args.importance_sampling_level!r}",
-                 args.importance_sampling_level != "token")):
-            if active:
-                raise ValueError(
-                    f"{option} shapes GRPO's policy-gradient term, which has nothing to act on here: opd_coef is 0 "
-                    f"(no sampled-token term) and there are no reward functions, so every advantage is 0 and the "
-                    f"dense term of opd_estimator={args.opd_estimator!r} is the whole objective. Set opd_coef > 0 to "
-                    "add the sampled-token term (the option then shapes it), add reward functions, or remove the "
-                    "option."
-                )
-    if args.opd_divergence_beta != 1.0 and not dense_term:
-        raise ValueError(
-            f"opd_divergence_beta={args.opd_divergence_beta} chooses the dense term's divergence, and "
-            f"opd_estimator={args.opd_estimator!r} has none (or opd_dense_coef is 0). The sampled-token term is the "
-            "reverse KL's estimate from the student's own samples: a forward KL or JSD would need the teacher's "
-            "distribution, which only 'topk' and 'full' compare. Use one of those, or leave the beta at 1."
-        )
-    if has_rewards and args.opd_skip_first_tokens:
-        raise ValueError(
-            f"opd_skip_first_tokens={args.opd_skip_first_tokens} leaves tokens out of the teacher's terms, and with "
-            "reward functions GRPO's objective shares the mask of the tokens it trains: they would leave the reward's "
-            "term too. Remove it, or train on the teacher alone."
-        )
-    if not has_rewards and args.opd_reward_combination != "loss":
-        raise ValueError(
-            f"opd_reward_combination={args.opd_reward_combination!r} says how reward functions combine with the "
-            "teacher, and there are none. Remove it, or add reward_funcs."
-        )
-    if not has_rewards and args.opd_loss_coef != 1.0:
-        raise ValueError(
-            f"opd_loss_coef={args.opd_loss_coef} weighs the teacher against reward functions, and there are none: the "
-            "teacher is the whole objective. Scale it with opd_coef / opd_dense_coef, or add reward_funcs."
-        )
-    if has_rewards and args.opd_objective == "importance_sampling" and args.opd_reward_combination == "advantage":
-        raise ValueError(
-            "opd_objective='importance_sampling' unclips the teacher's objective only, and with "
-            "opd_reward_combination='advantage' the reward and teacher advantages share one clipped objective. Use "
-            "opd_reward_combination='loss' (GRPO's clipped loss for the rewards, the unclipped one for the teacher)."
-        )
-
-
-def check_self_teacher(args, *, has_rewards: bool, peft: bool) -> None:
-    """What `student_as_teacher` needs to teach anything, and what its 'ema' copy must not share."""
-    kind = args.student_as_teacher
-    if not args.teacher_own_prompt and kind == "live":
-        raise ValueError(
-            "student_as_teacher: live with no teacher context is the student itself reading the same prompt: every "
-            "teacher term is 0 up to round-off, which Adam scales into full-size steps of noise. Give the teacher "
-            "what the student does not read (teacher_system_prompt, teacher_prompt_template or teacher_prompt_column)."
-        )
-    if not args.teacher_own_prompt and not has_rewards:
-        raise ValueError(
-            f"student_as_teacher: {kind} with no teacher context and no reward functions: the teacher starts as the "
-            "student reading the same prompt, so every teacher term is 0 and the student never moves from it. Give "
-            "the teacher what the student does not read (teacher_system_prompt, teacher_prompt_template or "
-            "teacher_prompt_column), or add reward functions (the teacher then holds the student near its start)."
-        )
-    if kind == "ema" and not peft and args.beta != 0.0:
-        raise ValueError(
-            f"student_as_teacher: ema with full fine-tuning keeps its moving average in GRPO's reference copy of the "
-            f"student, which GRPO's KL penalty (beta={args.beta}) reads as the starting model: the penalty would pull "
-            "towards the moving teacher instead. Set beta: 0, or train an adapter (peft_config, use_peft), whose "
-            "reference stays the base weights beside the 'ema' adapter."
-        )
-
-
-def check_teacher_loading(teacher_model, args) -> None:
-    """`teacher_model_init_kwargs` loads a teacher model from a path: refused where no teacher is loaded so."""
-    if not args.teacher_model_init_kwargs:
-        return
-    source = args.teacher_source(teacher_model)
-    loaded = [teacher for teacher in (args.teachers or {}).values() if not is_served(teacher)]
-    what = {
-        "self": "student_as_teacher's teacher is the student's own weights, in its dtype",
-        "reference": "ref_as_teacher's teacher is GRPO's reference copy of the student (model_init_kwargs sets it)",
-        "served": "a served teacher is loaded by its server (serve-teacher's options set its dtype)",
-        "routed": "every routed teacher is served (each server's options set its dtype)",
-    }.get(source)
-    if teacher_model is not None and not isinstance(teacher_model, str):
-        what = "the teacher was passed as a model, already loaded"
-    elif source == "routed" and loaded:
-        what = None
-    if what:
-        raise ValueError(f"teacher_model_init_kwargs loads a teacher model from a path, and {what}: it would be "
-                         "ignored. Remove it.")
 
 
 def check_routes(datasets, args) -> None:

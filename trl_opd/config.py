@@ -360,7 +360,7 @@ class OPDConfig(GRPOConfig):
     def resolve_estimator(self, teacher_model=None) -> None:
         """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known, and
         refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""
-        resolve_estimator(self, self.teacher_source(teacher_model), served=teacher_model)
+        resolve_estimator(self, served=teacher_model)
 
     def __getstate__(self) -> dict:
         """What pickling keeps, e.g. `training_args.bin` in the output directory and every checkpoint: no Hub token,

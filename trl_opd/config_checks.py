@@ -1,8 +1,9 @@
-"""The validation of an OPDConfig: every option checked alone and against the others, before anything loads.
+"""Which options are valid together: the one module that says so, before anything loads.
 
-`check_options` runs at the end of `OPDConfig.__post_init__`; `resolve_estimator` once the trainer knows the teacher
-source (a model given to the trainer rather than named in the config). Each refusal says what is wrong and what to
-set instead.
+`check_options` runs at the end of `OPDConfig.__post_init__`; `resolve_estimator` and `check_run_options` when the
+trainer is built, before any weights load, once it knows what it was given (a teacher model rather than one named in
+the config, reward functions, an adapter). What a teacher source can do is read from its declaration
+(`teachers/sources.py`), never from its name. Each refusal says what is wrong and what to set instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from .prompts import template_columns
 from .secrets import has_credentials, masked
+from .teachers.cross import CROSS_CREDITS
+from .teachers.sources import SOURCES, source_support
 from .teachers.vllm_server import check_server_address, is_served
 
 logger = logging.getLogger(__name__)
@@ -25,7 +28,6 @@ OPD_OBJECTIVES = ("clipped", "importance_sampling")
 REWARD_COMBINATIONS = ("loss", "advantage")
 OPD_ESTIMATORS = ("sampled", "topk", "full")
 TOKENIZER_MODES = ("same", "cross")
-CROSS_CREDITS = ("byte", "chunk")
 SELF_TEACHER_KINDS = ("initial", "live", "ema")  # student_as_teacher: which of the student's weights teach
 # GRPO loss types whose objective is min(r A, clip(r) A); the unclipped objective is defined against these
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -36,10 +38,10 @@ def check_options(args: OPDConfig) -> None:
     _check_choices(args)
     _check_numbers(args)
     _check_teacher_options(args)
-    source = args.teacher_source()
-    _check_estimator_source(args.opd_estimator, source)
-    _check_tokenizer_mode(args, source)
-    _check_overlap(args, source)
+    support = source_support(args)  # what the teacher source declares it can do (`teachers/sources.py`)
+    _check_estimator_source(args.opd_estimator, support)
+    _check_tokenizer_mode(args, support)
+    _check_overlap(args, support)
 
 
 def _check_choices(args: OPDConfig) -> None:
@@ -121,15 +123,8 @@ def _check_teacher_options(args: OPDConfig) -> None:
             "writes or prints, but a URL is not the place for a secret: put an API key in an environment "
             "variable and name it in teacher_server_api_key_env.", stacklevel=3,
         )
-    sources = {
-        "teacher_model_name_or_path": args.teacher_model_name_or_path,
-        "teacher_server_url": args.teacher_server_url,
-        "ref_as_teacher": args.ref_as_teacher,
-        "student_as_teacher": args.student_as_teacher,
-        "teachers": args.teachers,
-    }
-    chosen = [name for name, value in sources.items() if value]
-    if chosen == ["teacher_model_name_or_path", "teacher_server_url"]:
+    chosen = [option for support in SOURCES.values() for option in support.chooses if getattr(args, option)]
+    if sorted(chosen) == ["teacher_model_name_or_path", "teacher_server_url"]:
         chosen = ["teacher_server_url"]  # the served teacher's checkpoint, for its head (`teachers.served_hidden`)
     if len(chosen) > 1:
         raise ValueError(f"Choose one teacher source, not {' and '.join(chosen)}.")
@@ -152,6 +147,12 @@ def _updates_per_generation(args: OPDConfig) -> float:
     return steps * args.num_iterations / args.gradient_accumulation_steps
 
 
+def _moving_head(args: OPDConfig) -> bool:
+    """The teacher's head moves with the student within one generation batch (a live or 'ema' self-teacher, more than
+    one optimizer step per batch)."""
+    return args.student_as_teacher in ("live", "ema") and _updates_per_generation(args) > 1
+
+
 def _check_self_teacher(args: OPDConfig) -> None:
     """What goes with `student_as_teacher`, and what it excludes."""
     kind = args.student_as_teacher
@@ -159,7 +160,7 @@ def _check_self_teacher(args: OPDConfig) -> None:
         if getattr(args, name) is not None and kind != "ema":
             raise ValueError(f"{name} sets how the teacher follows the student with student_as_teacher: ema, and "
                              f"this run has student_as_teacher: {kind}. Remove it, or set student_as_teacher: ema.")
-    if kind in ("live", "ema") and args.opd_estimator == "full" and _updates_per_generation(args) > 1:
+    if args.opd_estimator == "full" and _moving_head(args):
         raise ValueError(
             f"opd_estimator='full' projects the teacher's hidden states, kept from scoring, through its head at the "
             f"loss; with student_as_teacher: {kind} that head moves with the student, and this run takes "
@@ -175,34 +176,32 @@ def _check_self_teacher(args: OPDConfig) -> None:
         )
 
 
-def resolve_estimator(args: OPDConfig, source: str | None, served=None) -> None:
-    """`opd_estimator`, `opd_coef`, `opd_dense_coef` and `opd_topk` filled in for the teacher `source`, and an
-    estimator that source cannot provide refused. A served teacher's default depends on what its servers give
-    (asked of them): `served`, the server URLs given to the trainer, or the configured ones."""
-    _check_tokenizer_mode(args, source)
-    _check_overlap(args, source)
+def resolve_estimator(args: OPDConfig, served=None) -> None:
+    """`opd_estimator`, `opd_coef`, `opd_dense_coef` and `opd_topk` filled in for the teacher source, and an estimator
+    that source cannot provide refused. `served` is what the trainer was given as its teacher, if anything: a served
+    teacher's default depends on what its servers give (asked of them), its URLs or the configured ones."""
+    support = source_support(args, served)
+    _check_tokenizer_mode(args, support)
+    _check_overlap(args, support)
     if args.opd_estimator is None and args.teacher_tokenizer_mode == "cross":
         args.opd_estimator = "sampled"
-    if args.opd_estimator is None:
-        moving = args.student_as_teacher in ("live", "ema") and _updates_per_generation(args) > 1
-        if source == "local" or (source == "self" and not moving):
-            args.opd_estimator = "full"
-        elif source == "self":
+    if args.opd_estimator is None and support is not None:
+        args.opd_estimator = support.default_estimator
+        if args.opd_estimator == "full" and _moving_head(args):
             args.opd_estimator = "topk"  # 'full' would read the moving head at the loss (see _check_self_teacher)
-        elif source in ("served", "routed"):
+        elif args.opd_estimator == "servers":
             from .teachers.served_hidden import serves_hidden_states
 
-            # routed: the served teachers' servers decide; a local teacher gives everything
-            urls = ([served if is_served(served) else None] if source == "served" else
+            # the served teachers' servers decide (routed: a local teacher gives everything)
+            urls = ([served if is_served(served) else None] if not args.teachers else
                     [teacher for teacher in args.teachers.values() if is_served(teacher)])
             args.opd_estimator = "full" if all(serves_hidden_states(args, url) for url in urls) else "topk"
             logger.warning("opd_estimator: %r, the best the teacher %s (%s).", args.opd_estimator,
-                           "server gives" if source == "served" else "servers and models give",
+                           "servers and models give" if args.teachers else "server gives",
                            "hidden states, projected by each teacher's head here" if args.opd_estimator == "full" else
                            "log-probs, no hidden states: `trl-opd serve-teacher MODEL --hidden-states` gives 'full'")
-        else:
-            args.opd_estimator = "sampled"
-    _check_estimator_source(args.opd_estimator, source)
+    args.opd_estimator = args.opd_estimator or "sampled"
+    _check_estimator_source(args.opd_estimator, support)
     _check_self_teacher(args)
     if args.opd_coef is None:
         args.opd_coef = 1.0 if args.opd_estimator == "sampled" else 0.0
@@ -222,18 +221,11 @@ def resolve_estimator(args: OPDConfig, source: str | None, served=None) -> None:
         args.opd_topk = 20
 
 
-# The teacher sources that can provide each dense estimator's teacher side
-_ESTIMATOR_SOURCES = {
-    "full": ("local", "served", "self", "routed"),  # the teacher's final hidden states (served: `--hidden-states`)
-    "topk": ("local", "served", "self", "routed"),  # the teacher's top-k tokens and log-probs at every position
-}
-
-
-def _check_estimator_source(estimator: str | None, source: str | None) -> None:
-    if estimator not in _ESTIMATOR_SOURCES or source is None or source in _ESTIMATOR_SOURCES[estimator]:
+def _check_estimator_source(estimator: str | None, support) -> None:
+    """An estimator the teacher source declares it can provide (`SourceSupport.estimators`)."""
+    if estimator is None or support is None or estimator in support.estimators:
         return
-    named = {"served": "a served teacher (a server URL)", "reference": "ref_as_teacher",
-             "routed": "routed teachers (teachers)"}[source]
+    named = support.option
     if estimator == "full":
         raise ValueError(
             f"opd_estimator='full' needs the teacher's hidden states, which a local teacher model or a server "
@@ -246,7 +238,7 @@ def _check_estimator_source(estimator: str | None, source: str | None) -> None:
     )
 
 
-def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
+def _check_tokenizer_mode(args: OPDConfig, support) -> None:
     """What a cross-tokenizer teacher can and cannot do, refused before anything loads."""
     if args.teacher_tokenizer_mode != "cross":
         if args.teacher_cross_credit is not None:
@@ -262,15 +254,14 @@ def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
                 "tokenizer: remove it, or set teacher_tokenizer_mode: cross."
             )
         return
-    if source in ("reference", "self"):
+    if support is not None and not support.own_tokenizer:
         raise ValueError(
-            f"teacher_tokenizer_mode 'cross' is for a teacher with its own tokenizer; "
-            f"{'ref_as_teacher' if source == 'reference' else 'student_as_teacher'} is the student's own model. "
-            "Remove teacher_tokenizer_mode."
+            f"teacher_tokenizer_mode 'cross' is for a teacher with its own tokenizer; {support.option} is the "
+            "student's own model. Remove teacher_tokenizer_mode."
         )
     tokenizers = args.teacher_tokenizer_name_or_path
     if isinstance(tokenizers, dict):
-        if source != "routed":
+        if not args.teachers:
             raise ValueError(
                 "teacher_tokenizer_name_or_path is a mapping of routed teacher names to tokenizers, but there are no "
                 "routed `teachers`: give the one teacher's tokenizer as a path or Hub id."
@@ -279,7 +270,7 @@ def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
         if unknown:
             raise ValueError(f"teacher_tokenizer_name_or_path names {unknown[0]!r}, which is not among the routed "
                              f"teachers {sorted(args.teachers)}.")
-    if source == "routed" and not isinstance(tokenizers, str):
+    if args.teachers and not isinstance(tokenizers, str):
         for name, teacher in args.teachers.items():
             if is_served(teacher) and name not in (tokenizers or {}):
                 raise ValueError(
@@ -295,18 +286,15 @@ def _check_tokenizer_mode(args: OPDConfig, source: str | None) -> None:
         )
 
 
-def _check_overlap(args: OPDConfig, source: str | None) -> None:
-    """What `opd_overlap_scoring` needs, refused before anything loads: a teacher off the trainer's devices, and at
-    most one update between sampling a batch and training on it."""
+def _check_overlap(args: OPDConfig, support) -> None:
+    """What `opd_overlap_scoring` needs, refused before anything loads: a teacher off the trainer's devices
+    (`SourceSupport.off_trainer`), and at most one update between sampling a batch and training on it."""
     if not args.opd_overlap_scoring:
         return
-    routed_local = source == "routed" and not all(is_served(teacher) for teacher in args.teachers.values())
-    if source in ("local", "reference", "self") or routed_local:
-        named = {"local": "a local teacher model", "reference": "ref_as_teacher",
-                 "self": "student_as_teacher"}.get(source, "routed teachers with a local model")
+    if support is not None and not support.off_trainer:
         raise ValueError(
-            f"opd_overlap_scoring overlaps a served teacher's scoring with the student's update, and {named} runs on "
-            "the trainer's own devices, between the same steps: there is nothing to overlap. Serve the teacher "
+            f"opd_overlap_scoring overlaps a served teacher's scoring with the student's update, and {support.option} "
+            "runs on the trainer's own devices, between the same steps: there is nothing to overlap. Serve the teacher "
             "(`trl-opd serve-teacher MODEL`, then teacher_server_url), or remove opd_overlap_scoring."
         )
     if args.num_iterations != 1:
@@ -323,3 +311,155 @@ def _check_overlap(args: OPDConfig, source: str | None) -> None:
             "be more than one update stale. Leave steps_per_generation unset (or equal to "
             "gradient_accumulation_steps), or remove opd_overlap_scoring."
         )
+
+
+# ------------------------------------------------------------------ at the trainer, with what it was given
+
+
+def check_run_options(args: OPDConfig, *, teacher_model, rewards: bool, peft: bool) -> None:
+    """The options against what the trainer was given, before any weights load: `teacher_model` (a teacher passed to
+    the trainer, or None), whether reward functions join the teacher, whether the student trains an adapter."""
+    options = [option for support in SOURCES.values() for option in support.chooses]
+    if teacher_model is not None and any(getattr(args, option) for option in options
+                                         if option not in SOURCES["local"].chooses):  # the model given replaces it
+        raise ValueError("Pass a teacher model or set another teacher source in the OPDConfig, not both.")
+    if args.teacher_source(teacher_model) is None:
+        raise ValueError(
+            "OPDTrainer needs a teacher: pass `teacher_model=` (a path or a model), or set one of "
+            f"{', '.join(f'`{option}`' for option in options)}."
+        )
+    support = source_support(args, teacher_model)
+    if not support.teacher_temperature and args.teacher_temperature != 1.0:
+        raise ValueError(
+            f"teacher_temperature does not apply to {support.option}: the student as its own teacher scores at its "
+            "sampling `temperature`, so that it starts equal to its teacher."
+        )
+    if args.ref_as_teacher and args.sync_ref_model:
+        raise ValueError(
+            "sync_ref_model moves GRPO's reference model towards the student, and ref_as_teacher reads that "
+            "reference as the teacher: the teacher would drift to the student. Remove sync_ref_model; for a "
+            "teacher that follows the student, use student_as_teacher: ema."
+        )
+    if not args.teachers and args.teacher_route_column != "teacher":
+        raise ValueError(f"teacher_route_column={args.teacher_route_column!r} routes rows among `teachers`, and "
+                         "none are set. Remove it, or set teachers.")
+    check_options_apply(args, has_rewards=rewards)
+    check_teacher_loading(teacher_model, args)
+    if args.student_as_teacher:
+        check_self_teacher(args, has_rewards=rewards, peft=peft)
+    if args.fsdp or args.distributed_state.distributed_type == "FSDP":
+        raise ValueError(
+            "FSDP is not supported: the dense estimators and sharded teachers are built and tested on DeepSpeed "
+            "ZeRO-3, which shards the student and the teacher across processes and runs every estimator and teacher "
+            "source. Launch with a ZeRO-3 config (recipes/accelerate/zero3.yaml), or use DDP or one process."
+        )
+    if rewards and args.num_generations < 2:
+        raise ValueError(
+            "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
+            f"set num_generations >= 2 (got {args.num_generations})."
+        )
+
+
+def check_options_apply(args, *, has_rewards: bool) -> None:
+    """Every OPD option set must act on this configuration: a run that ignores one, or has no signal to learn from,
+    is refused before anything loads, never trained with healthy-looking metrics."""
+    sampled_term = args.opd_coef != 0.0
+    dense_term = args.opd_estimator != "sampled" and args.opd_dense_coef != 0.0  # None resolves to 1.0 there
+    if not (sampled_term or dense_term or has_rewards):
+        raise ValueError(
+            f"Nothing to learn from: opd_coef is 0 (no sampled-token term) and opd_estimator={args.opd_estimator!r} "
+            f"{'has no dense term' if args.opd_estimator == 'sampled' else 'has opd_dense_coef 0'}, with no reward "
+            "functions. Set opd_coef > 0, or a dense estimator ('topk', 'full') with opd_dense_coef > 0."
+        )
+    if not sampled_term:
+        for option, active in (("opd_objective='importance_sampling'", args.opd_objective == "importance_sampling"),
+                               (f"kl_discount_factor={args.kl_discount_factor}", args.kl_discount_factor > 0.0)):
+            if active:
+                raise ValueError(
+                    f"{option} shapes the sampled-token term, which opd_coef=0 switches off (the default with "
+                    f"opd_estimator={args.opd_estimator!r}). Set opd_coef > 0 to add that term, or remove the option."
+                )
+    if not sampled_term and not has_rewards:
+        # every advantage is 0: GRPO's options that shape its policy-gradient term would multiply nothing
+        for option, active in (
+                (f"top_entropy_quantile={args.top_entropy_quantile}", args.top_entropy_quantile < 1.0),
+                (f"off_policy_mask_threshold={args.off_policy_mask_threshold}",
+                 args.off_policy_mask_threshold is not None),
+                (f"delta={args.delta}", args.delta is not None),
+                (f"importance_sampling_level={args.importance_sampling_level!r}",
+                 args.importance_sampling_level != "token")):
+            if active:
+                raise ValueError(
+                    f"{option} shapes GRPO's policy-gradient term, which has nothing to act on here: opd_coef is 0 "
+                    f"(no sampled-token term) and there are no reward functions, so every advantage is 0 and the "
+                    f"dense term of opd_estimator={args.opd_estimator!r} is the whole objective. Set opd_coef > 0 to "
+                    "add the sampled-token term (the option then shapes it), add reward functions, or remove the "
+                    "option."
+                )
+    if args.opd_divergence_beta != 1.0 and not dense_term:
+        raise ValueError(
+            f"opd_divergence_beta={args.opd_divergence_beta} chooses the dense term's divergence, and "
+            f"opd_estimator={args.opd_estimator!r} has none (or opd_dense_coef is 0). The sampled-token term is the "
+            "reverse KL's estimate from the student's own samples: a forward KL or JSD would need the teacher's "
+            "distribution, which only 'topk' and 'full' compare. Use one of those, or leave the beta at 1."
+        )
+    if has_rewards and args.opd_skip_first_tokens:
+        raise ValueError(
+            f"opd_skip_first_tokens={args.opd_skip_first_tokens} leaves tokens out of the teacher's terms, and with "
+            "reward functions GRPO's objective shares the mask of the tokens it trains: they would leave the reward's "
+            "term too. Remove it, or train on the teacher alone."
+        )
+    if not has_rewards and args.opd_reward_combination != "loss":
+        raise ValueError(
+            f"opd_reward_combination={args.opd_reward_combination!r} says how reward functions combine with the "
+            "teacher, and there are none. Remove it, or add reward_funcs."
+        )
+    if not has_rewards and args.opd_loss_coef != 1.0:
+        raise ValueError(
+            f"opd_loss_coef={args.opd_loss_coef} weighs the teacher against reward functions, and there are none: the "
+            "teacher is the whole objective. Scale it with opd_coef / opd_dense_coef, or add reward_funcs."
+        )
+    if has_rewards and args.opd_objective == "importance_sampling" and args.opd_reward_combination == "advantage":
+        raise ValueError(
+            "opd_objective='importance_sampling' unclips the teacher's objective only, and with "
+            "opd_reward_combination='advantage' the reward and teacher advantages share one clipped objective. Use "
+            "opd_reward_combination='loss' (GRPO's clipped loss for the rewards, the unclipped one for the teacher)."
+        )
+
+
+def check_self_teacher(args, *, has_rewards: bool, peft: bool) -> None:
+    """What `student_as_teacher` needs to teach anything, and what its 'ema' copy must not share."""
+    kind = args.student_as_teacher
+    if not args.teacher_own_prompt and kind == "live":
+        raise ValueError(
+            "student_as_teacher: live with no teacher context is the student itself reading the same prompt: every "
+            "teacher term is 0 up to round-off, which Adam scales into full-size steps of noise. Give the teacher "
+            "what the student does not read (teacher_system_prompt, teacher_prompt_template or teacher_prompt_column)."
+        )
+    if not args.teacher_own_prompt and not has_rewards:
+        raise ValueError(
+            f"student_as_teacher: {kind} with no teacher context and no reward functions: the teacher starts as the "
+            "student reading the same prompt, so every teacher term is 0 and the student never moves from it. Give "
+            "the teacher what the student does not read (teacher_system_prompt, teacher_prompt_template or "
+            "teacher_prompt_column), or add reward functions (the teacher then holds the student near its start)."
+        )
+    if kind == "ema" and not peft and args.beta != 0.0:
+        raise ValueError(
+            f"student_as_teacher: ema with full fine-tuning keeps its moving average in GRPO's reference copy of the "
+            f"student, which GRPO's KL penalty (beta={args.beta}) reads as the starting model: the penalty would pull "
+            "towards the moving teacher instead. Set beta: 0, or train an adapter (peft_config, use_peft), whose "
+            "reference stays the base weights beside the 'ema' adapter."
+        )
+
+
+def check_teacher_loading(teacher_model, args) -> None:
+    """`teacher_model_init_kwargs` loads a teacher model from a path: refused where no teacher is loaded so."""
+    if not args.teacher_model_init_kwargs:
+        return
+    support = source_support(args, teacher_model)
+    what = support.not_loaded if support is not None else None
+    if teacher_model is not None and not isinstance(teacher_model, str):
+        what = "the teacher was passed as a model, already loaded"
+    if what:
+        raise ValueError(f"teacher_model_init_kwargs loads a teacher model from a path, and {what}: it would be "
+                         "ignored. Remove it.")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -44,3 +45,24 @@ class TeacherScorer(Protocol):
         completion_ids: torch.Tensor,  # (B, T), right-padded
         completion_mask: torch.Tensor,  # (B, T)
     ) -> TeacherScores: ...
+
+
+@dataclass(frozen=True)
+class SourceSupport:
+    """What a teacher source can do, declared as `SUPPORT` beside its scorer and read by the option checks
+    (`config_checks.py`, `checks.py`) through `teachers.sources.source_support`, so that no check matches source
+    names."""
+
+    name: str  # as `OPDConfig.teacher_source` returns it
+    chooses: tuple[str, ...]  # the OPDConfig options that choose it (one source a run)
+    option: str  # how messages name it
+    estimators: tuple[str, ...]  # the estimators whose teacher side it returns ('sampled' always)
+    off_trainer: bool  # scores away from the trainer's processes: `opd_overlap_scoring` has something to overlap
+    own_tokenizer: bool  # may read the text with a tokenizer of its own (`teacher_tokenizer_mode: cross`)
+    teacher_temperature: bool  # `teacher_temperature` applies (a self-teacher scores at the sampling temperature)
+    # why `teacher_model_init_kwargs` would be ignored, or None where this source loads a model from a path
+    not_loaded: str | None
+    # `opd_estimator` left unset: the best this source gives ("servers": what its servers give, asked of them)
+    default_estimator: str
+    returns: str  # what its scores hold
+    describe: Callable[[Any], str]  # the teacher of a run's OPDConfig as its model card names it, without secrets

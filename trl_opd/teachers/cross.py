@@ -44,10 +44,11 @@ import torch
 from trl.trainer.utils import pad
 
 from ..alignment import ByteVocabulary, align_bytes
-from ..config_checks import CROSS_CREDITS
 from .base import TeacherScorer, TeacherScores
 from .byte_credit import SERVED_EXTENSION_TOPK, byte_credit, sampled_parts, token_anchors
 from .local import LocalTeacher
+
+CROSS_CREDITS = ("byte", "chunk")  # how a chunk's log-prob is shared among its student tokens (`teacher_cross_credit`)
 
 _MARKER = "OPD_END_OF_TURN_PROBE"
 

@@ -17,7 +17,8 @@ from trl.models.utils import _ForwardRedirection
 from trl.trainer.utils import disable_dropout_in_model
 
 from ..heads import OutputHead, head_mass_beyond, head_token_stats, head_topk_logps
-from .base import TeacherScores
+from ..secrets import masked
+from .base import SourceSupport, TeacherScores
 
 logger = logging.getLogger(__name__)
 # Teacher probability on ids a smaller student cannot write, above which the dense terms' renormalisation is reported
@@ -31,6 +32,25 @@ def freeze_teacher(model: torch.nn.Module) -> torch.nn.Module:
     disable_dropout_in_model(model)
     return model
 
+
+def _describe(args) -> str:
+    adapter = f" + adapter {args.teacher_adapter_name_or_path}" if args.teacher_adapter_name_or_path else ""
+    return masked(f"{args.teacher_model_name_or_path}{adapter}")
+
+
+SUPPORT = SourceSupport(
+    name="local",
+    chooses=("teacher_model_name_or_path",),
+    option="a local teacher model (teacher_model_name_or_path)",
+    estimators=("sampled", "topk", "full"),
+    off_trainer=False,
+    own_tokenizer=True,
+    teacher_temperature=True,
+    not_loaded=None,
+    default_estimator="full",
+    returns="log-probs, top-1, entropy, top-k, final hidden states",
+    describe=_describe,
+)
 
 class OutsideMassCheck:
     """The warning a teacher whose head is in this process gives once, when its vocabulary is larger than the

@@ -11,8 +11,21 @@ from collections.abc import Callable
 
 import torch
 
-from .base import TeacherScores
+from .base import SourceSupport, TeacherScores
 
+SUPPORT = SourceSupport(
+    name="reference",
+    chooses=("ref_as_teacher",),
+    option="ref_as_teacher",
+    estimators=("sampled",),
+    off_trainer=False,
+    own_tokenizer=False,
+    teacher_temperature=False,
+    not_loaded="ref_as_teacher's teacher is GRPO's reference copy of the student (model_init_kwargs sets it)",
+    default_estimator="sampled",
+    returns="log-probs of the sampled tokens",
+    describe=lambda args: "the student's own reference model (ref_as_teacher)",
+)
 
 class ReferenceTeacher:
     """Scores with `logps_fn(input_ids, attention_mask, logits_to_keep) -> (B, T)`, which the trainer binds to its

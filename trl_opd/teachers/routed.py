@@ -6,8 +6,25 @@ from collections.abc import Callable
 
 import torch
 
-from .base import TeacherScorer, TeacherScores
+from ..secrets import masked
+from .base import SourceSupport, TeacherScorer, TeacherScores
 
+# What routed teachers support together is what each of them does (`teachers.sources.source_support`); this is what
+# routing itself adds or takes away
+SUPPORT = SourceSupport(
+    name="routed",
+    chooses=("teachers",),
+    option="routed teachers (teachers)",
+    estimators=("sampled", "topk", "full"),
+    off_trainer=True,
+    own_tokenizer=True,
+    teacher_temperature=True,
+    not_loaded=None,
+    default_estimator="servers",
+    returns="each row's teacher's scores; 'full' states padded to the widest teacher, with each row's head",
+    describe=lambda args: "routed per row: " + ", ".join(f"{name}: {masked(source)}"
+                                                         for name, source in args.teachers.items()),
+)
 
 class RoutedTeacher:
     """Scores each row with `scorers[routes[row]]`, local and served teachers alike (each wrapped for its own

@@ -22,11 +22,30 @@ from accelerate.utils import is_peft_model
 from trl.trainer.utils import use_adapter
 
 from ..heads import OutputHead
-from .base import TeacherScores
+from .base import SourceSupport, TeacherScores
 from .local import LocalTeacher
 
 EMA_ADAPTER = "ema"
 
+
+def _describe(args) -> str:
+    weights = {"initial": "initial", "live": "current", "ema": "moving-average"}[args.student_as_teacher]
+    return f"the student itself, with its {weights} weights (student_as_teacher: {args.student_as_teacher})"
+
+
+SUPPORT = SourceSupport(
+    name="self",
+    chooses=("student_as_teacher",),
+    option="student_as_teacher",
+    estimators=("sampled", "topk", "full"),
+    off_trainer=False,
+    own_tokenizer=False,
+    teacher_temperature=False,
+    not_loaded="student_as_teacher's teacher is the student's own weights, in its dtype",
+    default_estimator="full",
+    returns="as a local teacher, from the student's own weights of its kind",
+    describe=_describe,
+)
 
 class StudentTeacher(LocalTeacher):
     """`LocalTeacher` over `model_fn()` (the trainer's model now: the student, or its reference copy), scored with
@@ -122,6 +141,17 @@ def copy_parameters(pairs, *, zero3: bool = False) -> None:
     for teacher, student in pairs.values():
         with _gathered([student], modify=False, zero3=zero3), _gathered([teacher], modify=True, zero3=zero3):
             teacher.copy_(student)
+
+
+def self_teacher(kind: str, student, model, ref_model, **scoring) -> StudentTeacher:
+    """The scorer of `student_as_teacher`'s `kind`, over the model that holds its weights: the student's `model`
+    (GRPO's, wrapped; `student` is it unwrapped), with the adapter of that kind, or GRPO's reference copy."""
+    if kind == "live":
+        return StudentTeacher(lambda: model, adapter=StudentTeacher.LIVE, **scoring)
+    if is_peft_model(student):
+        initial = "ref" if "ref" in student.peft_config else None  # a pretrained adapter's copy, else none
+        return StudentTeacher(lambda: model, adapter=EMA_ADAPTER if kind == "ema" else initial, **scoring)
+    return StudentTeacher(lambda: ref_model, adapter=None, **scoring)
 
 
 class TeacherAverage:

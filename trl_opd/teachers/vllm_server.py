@@ -23,7 +23,7 @@ import requests
 import torch
 
 from ..secrets import mask_urls, masked
-from .base import TeacherScores
+from .base import SourceSupport, TeacherScores
 from .completions_response import completion_entries, completion_payload, read_entries
 from .server_errors import TeacherServerError, reading
 
@@ -61,6 +61,20 @@ def is_served(source) -> bool:
     """A teacher given as a server URL or a list of them."""
     return is_server_url(source) or (isinstance(source, list) and all(is_server_url(url) for url in source))
 
+
+SUPPORT = SourceSupport(
+    name="served",
+    chooses=("teacher_server_url",),
+    option="a served teacher (teacher_server_url)",
+    estimators=("sampled", "topk", "full"),
+    off_trainer=True,
+    own_tokenizer=True,
+    teacher_temperature=True,
+    not_loaded="a served teacher is loaded by its server (serve-teacher's options set its dtype)",
+    default_estimator="servers",
+    returns="log-probs, top-1, top-k; final hidden states from `serve-teacher --hidden-states` (`served_hidden.py`)",
+    describe=lambda args: "served by vLLM at " + ", ".join(masked(args.teacher_server_url)),
+)
 
 class VLLMServerTeacher:
     """Scores completions with vLLM servers at `urls`, spreading each batch across them concurrently.

@@ -15,7 +15,9 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..secrets import masked, without_secrets
+from ..secrets import without_secrets
+from ..teachers import local
+from ..teachers.sources import source_support
 from .metrics import metric_text
 
 # The facts behind the model card, kept beside it so a merged copy can get its own card
@@ -29,18 +31,8 @@ class HubPushError(RuntimeError):
 
 
 def describe_teacher(args) -> str:
-    """The teacher as the model card shows it: server URLs without their credentials."""
-    if args.ref_as_teacher:
-        return "the student's own reference model (ref_as_teacher)"
-    if args.student_as_teacher:
-        weights = {"initial": "initial", "live": "current", "ema": "moving-average"}[args.student_as_teacher]
-        return f"the student itself, with its {weights} weights (student_as_teacher: {args.student_as_teacher})"
-    if args.teachers:
-        return "routed per row: " + ", ".join(f"{name}: {masked(source)}" for name, source in args.teachers.items())
-    if args.teacher_server_url:
-        return "served by vLLM at " + ", ".join(masked(args.teacher_server_url))
-    adapter = f" + adapter {args.teacher_adapter_name_or_path}" if args.teacher_adapter_name_or_path else ""
-    return masked(f"{args.teacher_model_name_or_path}{adapter}")
+    """The teacher as the model card shows it (its source's `describe`): server URLs without their credentials."""
+    return (source_support(args) or local.SUPPORT).describe(args)  # a teacher passed as a model: local
 
 
 def model_card(*, base_model: str, teacher: str, recipe: str | None, dataset: str | None, settings: dict,

@@ -26,14 +26,11 @@ from ..alignment import ByteVocabulary
 from ..checks import check_chat_template, check_head_projectable, check_model_files, check_opd_inputs
 from ..config import OPDConfig
 from ..heads import head_token_stats
-from ..loss import aggregate_as_loss_type, shared_temperature
-from ..teachers import LocalTeacher, TeacherScorer, TeacherScores
+from ..loss import aggregate_as_loss_type
+from ..teachers import TeacherScores
 from ..teachers.byte_credit import student_prefix_shift
-from ..teachers.cross import CrossTokenizerTeacher
 from ..teachers.loading import load_cross_tokenizers, load_teachers
-from ..teachers.local import freeze_teacher
-from ..teachers.reference import ReferenceTeacher
-from ..teachers.routed import RoutedTeacher
+from ..teachers.sources import build_scorer
 from . import teacher_inputs
 from .advantages import defer_advantages, is_deferred, scores_kept, set_advantages
 from .dense import DenseTerm, _ForwardOnly, has_dense_term
@@ -45,7 +42,7 @@ from .overlap import OverlapScheduler
 from .plan import OPDPlan
 from .policy import POLICY_TERM_ONLY, metrics_renamed_opd, opd_objective
 from .runs import check_finite_logps, check_finite_step, resume_or_claim
-from .self_distillation import TeacherEMA, reference_from_student, self_teacher
+from .self_distillation import TeacherEMA, reference_from_student
 from .student import causal_lm, completion_logps, is_multimodal, student_head
 
 logger = logging.getLogger(__name__)
@@ -183,7 +180,9 @@ class OPDTrainer(HubMixin, GRPOTrainer):
                                           rate=args.teacher_ema_rate, every=args.teacher_ema_steps,
                                           zero3=self._zero3())
             self.add_callback(self.teacher_ema)
-        self.teacher = self._build_scorer(teachers)  # TeacherScorer: scores exactly the sampled tokens
+        # the scorer (TeacherScorer: scores exactly the sampled tokens), and the local teacher models, frozen and placed
+        self.teacher, self.teacher_models = build_scorer(self, teachers)
+        self.teacher_model = self.teacher_models.get("teacher")  # a single local teacher
         self.add_callback(CompletionTokenCount())
         self.opd_metrics = OPDMetrics(self._metrics, self._logs, self.accelerator,
                                       callbacks=lambda: self.callback_handler.callbacks)
@@ -196,45 +195,6 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         self._loss_forward: LossForward | None = None  # set by `_compute_loss` for its student forward
 
     # ------------------------------------------------------------------ set-up
-
-    def _build_scorer(self, teachers: dict) -> TeacherScorer | RoutedTeacher:
-        """The scorer the trainer calls. Local teachers are frozen and placed here, once the accelerator exists;
-        `self.teacher_models` keeps them by name (a single teacher is "teacher", also `self.teacher_model`)."""
-        args = self.args
-        self.teacher_models = {
-            name: self._prepare_teacher(freeze_teacher(teacher))
-            for name, teacher in teachers.items() if isinstance(teacher, torch.nn.Module)
-        }
-        self.teacher_model = self.teacher_models.get("teacher")
-        if args.ref_as_teacher:
-            return ReferenceTeacher(self._reference_logps)
-        student_vocab_size = self._student_causal_lm().config.get_text_config().vocab_size
-        scoring = dict(batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
-                       autocast=self.accelerator.autocast, return_hidden=args.opd_estimator == "full",
-                       topk=args.opd_topk if args.opd_estimator == "topk" else 0, student_vocab_size=student_vocab_size)
-        if args.student_as_teacher:  # at the student's sampling temperature, so that it starts equal to its teacher
-            scorers = {"teacher": self_teacher(args.student_as_teacher, self.accelerator.unwrap_model(self.model),
-                                               self.model, self.ref_model, temperature=self.temperature, **scoring)}
-        else:
-            scorers = {name: LocalTeacher(self.teacher_models[name], temperature=args.teacher_temperature, **scoring)
-                       if name in self.teacher_models else teacher for name, teacher in teachers.items()}
-        if args.opd_estimator == "topk" and args.opd_topk > student_vocab_size:
-            raise ValueError(f"opd_topk={args.opd_topk} exceeds the student's vocabulary of {student_vocab_size} "
-                             "tokens: the top-k term compares at most that many. Lower opd_topk.")
-        for scorer in scorers.values() if args.opd_estimator == "full" else ():  # a pair the kernel cannot apply
-            shared_temperature(self._student_head(self._student_causal_lm()), scorer.output_head)
-        if args.teacher_tokenizer_mode == "cross":  # each teacher reads the sampled text its own way
-            scorers = {
-                name: CrossTokenizerTeacher(
-                    scorer, student_tokenizer=self._tokenizer, teacher_tokenizer=self.teacher_tokenizers[name],
-                    stop_ids=self.eos_token_ids, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
-                    credit=args.teacher_cross_credit or "byte",
-                ) for name, scorer in scorers.items()
-            }
-        if not args.teachers:
-            return scorers["teacher"]
-        sharded = tuple(self.teacher_models) if self.is_deepspeed_enabled else ()  # ZeRO-3 forwards are collectives
-        return RoutedTeacher(scorers, collective=sharded, max_over_ranks=self._max_over_ranks)
 
     def _max_over_ranks(self, count: int) -> int:
         """The largest `count` on any process (a collective)."""
@@ -500,8 +460,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         project every position (`student.py`)."""
         compact = self.plan.compact_logps and not is_multimodal(inputs)
         self._loss_forward = LossForward(
-            compact=partial(completion_logps, self._student_causal_lm(), self._student_head(self._student_causal_lm()),
-                            self.accelerator.autocast) if compact else None,
+            compact=self._completion_logps if compact else None,
             observe=partial(self._form_advantages, inputs) if is_deferred(inputs) else None,
             reuse=self.plan.combination == "loss",
         )
@@ -518,6 +477,13 @@ class OPDTrainer(HubMixin, GRPOTrainer):
                                              inputs)
         finally:
             self._loss_forward = None
+
+    def _completion_logps(self, model, *args, **kwargs):
+        """The student's log-probs at the completion positions only (`student.completion_logps`), its head read at the
+        call: inside the loss's forward, where ZeRO-3 has gathered it."""
+        student = self._student_causal_lm()
+        return completion_logps(student, self._student_head(student), self.accelerator.autocast, model, *args,
+                                **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         """GRPO's, run as the loss's instruction says within `_compute_loss` (`grpo_calls.LossForward`)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 
-from ..teachers.student import EMA_ADAPTER, StudentTeacher, TeacherAverage, add_ema_adapter, copy_parameters, ema_pairs
+from ..teachers.student import TeacherAverage, add_ema_adapter, copy_parameters, ema_pairs
 
 EMA_WEIGHTS = "teacher_ema.safetensors"  # in each checkpoint of a run with student_as_teacher: ema
 
@@ -23,17 +23,6 @@ def reference_from_student(student, ref_model, *, zero3: bool) -> None:
     the student as it was passed. A PEFT student needs nothing: its reference is its own base weights."""
     if ref_model is not None:
         copy_parameters(ema_pairs(student, getattr(ref_model, "module", ref_model)), zero3=zero3)
-
-
-def self_teacher(kind: str, student, model, ref_model, **scoring) -> StudentTeacher:
-    """The scorer of `student_as_teacher`'s `kind`, over the model that holds its weights: the student's `model`
-    (GRPO's, wrapped; `student` is it unwrapped), with the adapter of that kind, or GRPO's reference copy."""
-    if kind == "live":
-        return StudentTeacher(lambda: model, adapter=StudentTeacher.LIVE, **scoring)
-    if is_peft_model(student):
-        initial = "ref" if "ref" in student.peft_config else None  # a pretrained adapter's copy, else none
-        return StudentTeacher(lambda: model, adapter=EMA_ADAPTER if kind == "ema" else initial, **scoring)
-    return StudentTeacher(lambda: ref_model, adapter=None, **scoring)
 
 
 class TeacherEMA(TrainerCallback):
