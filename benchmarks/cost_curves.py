@@ -132,14 +132,18 @@ def opd_arms(pair: dict, rows: int, tokens: int, vocab_size: int, output_dir: Pa
 
 
 def estimator_arms(trainer, estimator: str, generated: dict) -> dict:
+    from trl_opd.trainer.multiturn import action_mask
+
     args = (generated["prompt_ids"], generated["prompt_mask"], generated["completion_ids"],
             generated["completion_mask"])
     scores = {}
     results = {f"scoring {estimator}": measure(lambda: scores.update(out=trainer.teacher.score(*args)))}
-    trainer._action_mask([{} for _ in range(len(generated["prompt_ids"]))], generated)
+    trainer._set_action_mask(generated, action_mask([{} for _ in generated["prompt_ids"]], generated["completion_mask"],
+                                                    None))
 
     def loss_step():
-        inputs = trainer._finish_with_scores(dict(generated), scores["out"])
+        in_loss_forward = trainer.plan.advantages_in_loss_forward
+        inputs = trainer._signal(dict(generated), scores["out"], in_loss_forward=in_loss_forward)
         trainer.compute_loss(trainer.model, inputs).backward()
         trainer.model.zero_grad(set_to_none=True)
 

@@ -491,6 +491,8 @@ def opd_cost(pair, batch: dict, common: dict, *, dtype, micro: int) -> dict:
 def opd_timings(opd, batch: dict, micro: int) -> dict:
     import torch
 
+    from trl_opd.trainer.multiturn import action_mask
+
     opd.model.train()
     opd.current_gradient_accumulation_steps = 1
     ids = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
@@ -498,14 +500,15 @@ def opd_timings(opd, batch: dict, micro: int) -> dict:
     def generated(rows: int) -> dict:  # what generation hands the scoring, a fresh dict each time
         part = {key: batch[key][:rows] for key in ids}
         part["advantages"] = torch.zeros(rows, device=part["prompt_ids"].device)
-        opd._action_mask([{} for _ in range(rows)], part)
+        opd._set_action_mask(part, action_mask([{} for _ in range(rows)], part["completion_mask"], None))
         return part
 
     def score(part: dict):
         return opd.teacher.score(*(part[key] for key in ids))
 
     def loss(scores):
-        opd.compute_loss(opd.model, opd._finish_with_scores(generated(micro), scores)).backward()
+        signal = opd._signal(generated(micro), scores, in_loss_forward=opd.plan.advantages_in_loss_forward)
+        opd.compute_loss(opd.model, signal).backward()
 
     whole, scores = generated(len(batch["prompt_ids"])), score(generated(micro))
     return {"teacher_scoring_all_rows": timed(lambda: score(whole), opd.model),
