@@ -96,14 +96,35 @@ def _assert_same_training(two, one, *, dense_metric=None):
     return sharded
 
 
+ZERO3_TRACES = ROOT / "tests" / "golden" / "zero3.json"
+
+
+def _hold_to_golden_trace(request, sharded) -> None:
+    """The 2-process ZeRO-3 run's log, step by step, against its golden trace in tests/golden/zero3.json (see
+    tests/test_golden.py: the same comparison, recorded with OPD_RECORD_GOLDEN=1)."""
+    from test_golden import RECORD, _differences
+
+    case = request.node.callspec.id
+    actual = {"steps": [{name: value for name, value in entry.items()
+                         if name in ("loss", "grad_norm") or name.startswith("opd/")} for entry in sharded]}
+    recorded = json.loads(ZERO3_TRACES.read_text()) if ZERO3_TRACES.exists() else {"cases": {}}
+    if RECORD:
+        recorded["cases"][case] = actual
+        ZERO3_TRACES.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+        return
+    assert case in recorded["cases"], f"No ZeRO-3 golden trace for {case}: record them (see tests/test_golden.py)."
+    differences = _differences(recorded["cases"][case], actual)
+    assert not differences, f"{case} under ZeRO-3 no longer logs its golden trace:\n  " + "\n  ".join(differences)
+
+
 @pytest.mark.parametrize("use_peft", ["false", "true"], ids=["full_ft", "lora"])
 @pytest.mark.parametrize(("estimator", "dense_metric"), [("sampled", None), ("full", "opd/reverse_kl_dense"),
                                                          ("topk", "opd/reverse_kl_topk")])
-def test_two_process_zero3_matches_one_process(tiny, tmp_path, estimator, dense_metric, use_peft):
+def test_two_process_zero3_matches_one_process(tiny, tmp_path, estimator, dense_metric, use_peft, request):
     two, one = _train_both_ways(
         lambda out: _args(tiny, out, "--opd_estimator", estimator, "--use_peft", use_peft), tmp_path
     )
-    _assert_same_training(two, one, dense_metric=dense_metric)
+    _hold_to_golden_trace(request, _assert_same_training(two, one, dense_metric=dense_metric))
     checkpoint = two / f"checkpoint-{STEPS}"
     assert any(p.name.startswith("global_step") for p in checkpoint.iterdir())  # ZeRO's own shards
     if use_peft == "false":  # the consolidated weights are the student's alone: no teacher-sized (hidden 96) tensor

@@ -50,14 +50,14 @@ def build_scorer(trainer, teachers: dict) -> tuple[TeacherScorer, dict[str, torc
     args = trainer.args
     models = {name: trainer._prepare_teacher(freeze_teacher(teacher))
               for name, teacher in teachers.items() if isinstance(teacher, torch.nn.Module)}
-    source = trainer.plan.teacher_source
+    source, estimator = trainer.plan.teacher_source, trainer.plan.estimator
     if source == "reference":
         return ReferenceTeacher(trainer._reference_logps), models
     student = trainer._student_causal_lm()
     student_vocab_size = student.config.get_text_config().vocab_size
     scoring = dict(batch_size=args.teacher_batch_size or args.per_device_train_batch_size,
-                   autocast=trainer.accelerator.autocast, return_hidden=args.opd_estimator == "full",
-                   topk=args.opd_topk if args.opd_estimator == "topk" else 0, student_vocab_size=student_vocab_size)
+                   autocast=trainer.accelerator.autocast, return_hidden=estimator == "full",
+                   topk=args.opd_topk if estimator == "topk" else 0, student_vocab_size=student_vocab_size)
     if source == "self":  # at the student's sampling temperature, so that it starts equal to its teacher
         scorers = {"teacher": self_teacher(args.student_as_teacher, trainer.accelerator.unwrap_model(trainer.model),
                                            trainer.model, trainer.ref_model, temperature=trainer.temperature,
@@ -65,10 +65,10 @@ def build_scorer(trainer, teachers: dict) -> tuple[TeacherScorer, dict[str, torc
     else:
         scorers = {name: LocalTeacher(models[name], temperature=args.teacher_temperature, **scoring)
                    if name in models else teacher for name, teacher in teachers.items()}
-    if args.opd_estimator == "topk" and args.opd_topk > student_vocab_size:
+    if estimator == "topk" and args.opd_topk > student_vocab_size:
         raise ValueError(f"opd_topk={args.opd_topk} exceeds the student's vocabulary of {student_vocab_size} "
                          "tokens: the top-k term compares at most that many. Lower opd_topk.")
-    for scorer in scorers.values() if args.opd_estimator == "full" else ():  # a pair the kernel cannot apply
+    for scorer in scorers.values() if estimator == "full" else ():  # a pair the kernel cannot apply
         shared_temperature(trainer._student_head(student), scorer.output_head)
     if args.teacher_tokenizer_mode == "cross":  # each teacher reads the sampled text its own way
         scorers = {
