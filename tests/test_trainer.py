@@ -58,10 +58,11 @@ def test_loss_equals_the_hand_computed_objective(tiny, prompts, make_config, obj
     assert loss.item() == pytest.approx(expected, abs=1e-5)
 
 
-def test_short_run_trains_the_student_and_logs_every_opd_metric(tiny, prompts, make_config):
+def test_short_run_trains_the_student_and_logs_every_opd_metric(tiny, prompts, make_config, capsys):
     trainer = _trainer(tiny, prompts, make_config(max_steps=4, learning_rate=1e-2))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
+    assert f"On-policy distillation plan (trl_opd.trainer.plan):\n{trainer.plan.describe()}" in capsys.readouterr().out
 
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before)

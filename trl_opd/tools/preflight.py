@@ -136,7 +136,7 @@ def _check(script_args, training_args, model_args, *, echo, scratch: str) -> dic
          "cross; checked at start-up)" if cross else
          "tokenizers: the student and the teacher agree (checked at start-up)")
     teacher, trainer, output, batch = _one_batch_metrics(script_args, teacher_args, model_args, rows)
-    echo(f"the run's plan (decided once, logged at the start of training):\n{trainer.plan.describe()}")
+    echo(f"the run's plan (decided once, printed at the start of training):\n{trainer.plan.describe()}")
 
     prompt = rows[0]["prompt"]
     shown_to_teacher = teacher_prompt(rows[0], prompt, **teacher_context(training_args))

@@ -8,7 +8,6 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
-import logging
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
@@ -44,8 +43,6 @@ from .policy import POLICY_TERM_ONLY, metrics_renamed_opd, opd_objective
 from .runs import check_finite_logps, check_finite_step, resume_or_claim
 from .self_distillation import TeacherEMA, reference_from_student
 from .student import causal_lm, completion_logps, is_multimodal, student_head
-
-logger = logging.getLogger(__name__)
 
 _REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")  # GRPO's; meaningless with the teacher alone
 # A KL weight that makes GRPO build its reference model, which the reference teacher reads; reset to 0 right after
@@ -237,8 +234,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
             self.opd_metrics.token_count.restore(resume_from_checkpoint)
         if self.teacher_ema is not None:
             self.teacher_ema.resume_from(resume_from_checkpoint)
-        if self.accelerator.is_main_process:
-            logger.info("On-policy distillation plan:\n%s", self.plan.describe())
+        self.accelerator.print(f"On-policy distillation plan (trl_opd.trainer.plan):\n{self.plan.describe()}")
         with self.overlap.running() if self.overlap is not None else nullcontext():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 

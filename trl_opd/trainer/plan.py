@@ -1,7 +1,7 @@
 """What a run does, decided once: `OPDPlan`, built by the trainer when GRPO's set-up is done and read by every part of
 the step instead of re-deriving it from the config and GRPO's attributes.
 
-It is logged at the start of training and shown by `trl-opd check`.
+It is printed at the start of training and shown by `trl-opd check`.
 """
 
 from __future__ import annotations
