@@ -1,5 +1,6 @@
 """Golden traces: what a few steps of training log, for every estimator x teacher source x with and without a reward
-x overlap on and off, pinned in tests/golden/traces.json so that a restructuring of the trainer is held to them.
+x overlap on and off (and the rewards' summed advantages on the local source), pinned in tests/golden/traces.json so
+that a restructuring of the trainer is held to them.
 
 Each case trains the tiny pair for 3 steps from seed 0 with greedy decoding, 4 completions of at most 8 tokens a step
 (2 prompts x 2 with a reward, which GRPO normalises within each prompt's group), and records per step the loss, the
@@ -39,6 +40,8 @@ def _cases() -> list[str]:
             for reward in (False, True):
                 for overlap in (False, True) if overlaps else (False,):
                     cases.append(f"{source}-{estimator}" + ("-reward" * reward) + ("-overlap" * overlap))
+    # the rewards' other combination with the teacher, summed advantages, on the local source
+    cases += [f"local-{estimator}-reward-advantage" for estimator in ESTIMATORS]
     return cases
 
 
@@ -75,6 +78,7 @@ def trace(case: str, request, tiny, prompts, make_config) -> dict:
         # a reward needs groups of completions per prompt (GRPO normalises it within each): 2 prompts x 2
         config = make_config(max_steps=STEPS, opd_estimator=estimator, generation_kwargs={"do_sample": False},
                              num_generations=2 if "reward" in flags else 1, opd_overlap_scoring="overlap" in flags,
+                             **({"opd_reward_combination": "advantage"} if "advantage" in flags else {}),
                              **_source_options(source, request, tiny))
         trainer = OPDTrainer(model=str(tiny / "student"), args=config, train_dataset=dataset,
                              reward_funcs=[length_reward] if "reward" in flags else None)
