@@ -1,7 +1,7 @@
-"""The student as its own teacher (`student_as_teacher`): the scorer of each kind, the 'ema' kind's averaging after
-optimizer steps, and its teacher's weights in every checkpoint (they are not the student's, and a resumed run must
-continue from them, not from the student's starting weights). Also the reference copy's starting weights, which the
-initial and 'ema' kinds, `ref_as_teacher` and GRPO's KL penalty read.
+"""The student as its own teacher (`student_as_teacher`; each kind's scorer is `teachers.student.self_teacher`): the
+'ema' kind's averaging after optimizer steps, and its teacher's weights in every checkpoint (they are not the
+student's, and a resumed run must continue from them, not from the student's starting weights). Also the reference
+copy's starting weights, which the initial and 'ema' kinds, `ref_as_teacher` and GRPO's KL penalty read.
 """
 
 from __future__ import annotations
