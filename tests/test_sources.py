@@ -27,6 +27,12 @@ def test_each_declared_source_is_the_one_its_option_chooses(tmp_path, name):
     assert describe_teacher(args) == support.describe(args) and "None" not in describe_teacher(args)
 
 
+def test_a_server_url_given_as_the_teacher_model_is_the_served_source_on_the_card(tmp_path):
+    args = _config(tmp_path, teacher_model_name_or_path="http://user:secret@127.0.0.1:9")
+    assert source_support(args).name == "served"
+    assert describe_teacher(args) == "served by vLLM at http://***@127.0.0.1:9"
+
+
 def test_routed_teachers_support_together_what_each_of_them_does(tmp_path):
     mixed = source_support(_config(tmp_path, teachers={"math": "tiny/teacher", "code": SERVED}))
     served = source_support(_config(tmp_path, teachers={"math": SERVED, "code": f"{SERVED}1"}))

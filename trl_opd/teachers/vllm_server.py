@@ -62,6 +62,11 @@ def is_served(source) -> bool:
     return is_server_url(source) or (isinstance(source, list) and all(is_server_url(url) for url in source))
 
 
+def served_urls(args) -> list[str]:
+    """The served teacher's server URLs: `teacher_server_url`, or a URL given as `teacher_model_name_or_path`."""
+    return args.teacher_server_url or [args.teacher_model_name_or_path]
+
+
 SUPPORT = SourceSupport(
     name="served",
     chooses=("teacher_server_url",),
@@ -73,7 +78,7 @@ SUPPORT = SourceSupport(
     not_loaded="a served teacher is loaded by its server (serve-teacher's options set its dtype)",
     default_estimator="servers",
     returns="log-probs, top-1, top-k; final hidden states from `serve-teacher --hidden-states` (`served_hidden.py`)",
-    describe=lambda args: "served by vLLM at " + ", ".join(masked(args.teacher_server_url)),
+    describe=lambda args: "served by vLLM at " + ", ".join(masked(served_urls(args))),
 )
 
 class VLLMServerTeacher:
