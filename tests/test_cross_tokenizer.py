@@ -420,7 +420,7 @@ def test_cross_tokenizer_configurations_that_cannot_work_are_refused(tiny, promp
                    train_dataset=prompts)
     # a cross run defaults to the sampled estimator whatever the source's usual default
     config = make_config(teacher_tokenizer_mode="cross", opd_estimator=None)
-    config.resolve_estimator(str(tiny_other_teacher))
+    config = config.resolved(str(tiny_other_teacher))
     assert config.opd_estimator == "sampled"
 
 

@@ -263,12 +263,22 @@ def test_the_default_estimator_is_the_best_one_the_teacher_source_supports(make_
     }
     for expected, source in sources.items():
         args = make_config(opd_estimator=None, **source)
-        args.resolve_estimator()
+        args = args.resolved()
         assert args.opd_estimator == expected
         assert args.opd_coef == (1.0 if expected == "sampled" else 0.0)  # a dense term alone, unless asked for more
     args = make_config(opd_estimator=None, opd_coef=0.5)
-    args.resolve_estimator(teacher_model="a/teacher")  # a teacher given to the trainer
+    args = args.resolved(teacher_model="a/teacher")  # a teacher given to the trainer
     assert (args.opd_estimator, args.opd_coef) == ("full", 0.5)
+
+
+def test_the_trainer_fills_the_defaults_in_on_its_own_copy_of_the_config(tiny, prompts, make_config):
+    args = make_config(opd_estimator=None, hub_token="hf_secret_token")
+    for _ in range(2):  # one config, two trainers
+        trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=args,
+                             train_dataset=prompts)
+        assert (trainer.args.opd_estimator, trainer.args.opd_coef, trainer.args.opd_dense_coef) == ("full", 0.0, 1.0)
+        assert trainer.args.hub_token == "hf_secret_token"  # the live copy keeps what pickling drops
+    assert (args.opd_estimator, args.opd_coef, args.opd_dense_coef) == (None, None, None)  # as the user gave it
 
 
 def test_a_dense_term_alone_needs_no_extra_student_forward_and_logs_the_same_metrics(tiny, prompts, make_config):

@@ -17,7 +17,7 @@ def _grpo(**overrides):
 
 def _plan(make_config, rewards=False, grpo=None, **options):
     args = make_config(**{"opd_estimator": "full", **options})  # the default for a local teacher
-    args.resolve_estimator(None)
+    args = args.resolved(None)
     return OPDPlan.resolve(args, source=args.teacher_source() or "local", rewards=rewards, grpo=grpo or _grpo())
 
 

@@ -36,7 +36,7 @@ def test_recipe_parses_and_documents_its_launch(recipe):
                training_args.student_as_teacher)
     assert sum(source is not None for source in sources) == 1  # one teacher source
     assert script_args.dataset_name == raw["dataset_name"]
-    # unset estimator fields stay unset until the trainer knows the teacher source (see OPDConfig.resolve_estimator)
+    # unset estimator fields stay unset until the trainer knows the teacher source (see OPDConfig.resolved)
     assert (training_args.opd_estimator, training_args.opd_coef) == (raw.get("opd_estimator"), raw.get("opd_coef"))
     if "teacher_model_init_kwargs" in raw:
         assert training_args.teacher_model_init_kwargs == raw["teacher_model_init_kwargs"]

@@ -275,10 +275,10 @@ def test_teacher_temperature_is_refused_for_the_student_as_its_own_teacher(tiny,
 def test_a_moving_teacher_defaults_to_topk_where_full_would_read_a_moved_head(tmp_path):
     config = OPDConfig(output_dir=str(tmp_path), report_to="none", bf16=False, student_as_teacher="ema",
                        num_iterations=2)
-    config.resolve_estimator()
+    config = config.resolved()
     assert config.opd_estimator == "topk"
     config = OPDConfig(output_dir=str(tmp_path), report_to="none", bf16=False, student_as_teacher="ema")
-    config.resolve_estimator()
+    config = config.resolved()
     assert config.opd_estimator == "full"
 
 

@@ -158,20 +158,20 @@ def test_the_default_estimator_of_a_served_teacher_is_what_its_server_gives(hidd
                                                                             make_config):
     for url, expected in ((hidden_server, "full"), (teacher_server, "topk")):
         args = make_config(opd_estimator=None, teacher_server_url=url)
-        args.resolve_estimator()
+        args = args.resolved()
         assert args.opd_estimator == expected
         args = make_config(opd_estimator=None)
-        args.resolve_estimator(teacher_model=url)  # a server given to the trainer
+        args = args.resolved(teacher_model=url)  # a server given to the trainer
         assert args.opd_estimator == expected
         # routed beside a local teacher: what the server gives decides
         args = make_config(opd_estimator=None, teachers={"local": str(tiny / "teacher"), "served": url})
-        args.resolve_estimator()
+        args = args.resolved()
         assert args.opd_estimator == expected
     args = make_config(opd_estimator=None, teachers={"a": str(tiny / "teacher"), "b": str(tiny / "student")})
-    args.resolve_estimator()
+    args = args.resolved()
     assert args.opd_estimator == "full"  # local teachers give everything
     with pytest.raises(ValueError, match="servers differ: .* return hidden states .* and .* log-probs"):
-        make_config(opd_estimator=None, teacher_server_url=[hidden_server, teacher_server]).resolve_estimator()
+        make_config(opd_estimator=None, teacher_server_url=[hidden_server, teacher_server]).resolved()
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -357,10 +357,15 @@ class OPDConfig(GRPOConfig):
         sampling policy's own prefix probabilities (`teachers.byte_credit`)."""
         return self.teacher_tokenizer_mode == "cross" and (self.teacher_cross_credit or "byte") == "byte"
 
-    def resolve_estimator(self, teacher_model=None) -> None:
-        """Fill the defaults of `opd_estimator` and `opd_coef` (see their help) once the teacher source is known, and
-        refuse an estimator the source cannot provide. `teacher_model` is what the trainer was given, if anything."""
-        resolve_estimator(self, served=teacher_model)
+    def resolved(self, teacher_model=None) -> OPDConfig:
+        """A copy with the defaults of `opd_estimator`, `opd_coef`, `opd_dense_coef` and `opd_topk` (see their help)
+        filled in for the teacher source, an estimator that source cannot provide refused. `teacher_model` is what the
+        trainer was given, if anything; a served teacher's default is asked of its servers. This config stays as given,
+        so one config can serve trainers with different teachers; the trainer holds the copy as `trainer.args`."""
+        copy = object.__new__(type(self))  # not copy.copy: pickling's state drops the Hub token and URL credentials
+        copy.__dict__.update(self.__dict__)
+        resolve_estimator(copy, served=teacher_model)
+        return copy
 
     def __getstate__(self) -> dict:
         """What pickling keeps, e.g. `training_args.bin` in the output directory and every checkpoint: no Hub token,

@@ -108,7 +108,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         if not isinstance(args, OPDConfig):
             raise TypeError(f"OPDTrainer needs an OPDConfig, got {type(args).__name__}.")
         reward_funcs = list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs] if reward_funcs else []
-        args.resolve_estimator(teacher_model)
+        args = args.resolved(teacher_model)  # the defaults for this teacher, on a copy
         # an environment class's `get_reward` becomes a reward function in GRPO, with what that asks of the batch
         factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
         env_rewards = [factory.get_reward for factory in factories if hasattr(factory, "get_reward")]
@@ -160,9 +160,9 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         if self.use_vllm:
             self.vllm_importance_sampling_correction = self.plan.vllm_importance_sampling
             if self.vllm_mode == "colocate" and self.accelerator.device.type == "cpu":
-                from .colocate import sync_by_reload
+                from .colocate import reload_on_sync
 
-                self.vllm_generation.sync_weights = partial(sync_by_reload, self.vllm_generation)
+                reload_on_sync(self.vllm_generation)
         self.accuracy_func = accuracy_func
         self.teacher_processing_class = teacher_processing_class
         self.teacher_tokenizers = teacher_tokenizers
