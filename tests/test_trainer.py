@@ -361,6 +361,9 @@ def test_every_grpo_constructor_argument_is_accepted_and_passed_on(tiny, prompts
     assert sorted(received) == sorted(grpo_parameters)
     assert received.pop("reward_funcs") == given["reward_funcs"]  # a copy of the list
     assert received.pop("rollout_func").__wrapped__ is rollout  # wrapped by `action_mask_as_env_mask`
+    resolved = received.pop("args")  # the config with the estimator's defaults filled in (`OPDConfig.resolved`)
+    assert (given["args"].opd_estimator, given["args"].opd_coef) == ("sampled", None)
+    assert vars(resolved) == {**vars(given["args"]), "opd_coef": 1.0}  # the sampled estimator's default weight
     assert {name: value for name, value in received.items() if value is not given[name]} == {}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import AutoTokenizer, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp
@@ -24,7 +25,7 @@ from trl.trainer.utils import get_config_model_id, use_adapter
 from ..alignment import ByteVocabulary
 from ..checks import check_chat_template, check_head_projectable, check_model_files, check_opd_inputs
 from ..config import OPDConfig
-from ..heads import head_token_stats
+from ..heads import OutputHead, head_token_stats
 from ..loss import aggregate_as_loss_type
 from ..teachers import TeacherScores
 from ..teachers.byte_credit import student_prefix_shift
@@ -42,11 +43,18 @@ from .plan import OPDPlan
 from .policy import POLICY_TERM_ONLY, metrics_renamed_opd, opd_objective
 from .runs import check_finite_logps, check_finite_step, resume_or_claim
 from .self_distillation import TeacherEMA, reference_from_student
-from .student import causal_lm, completion_logps, is_multimodal, student_head
+from .student import completion_logps
 
+# inputs that GRPO's loss forward passes to a vision-language student: those forwards are left to GRPO
+_MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
+                      "mm_token_type_ids")
 _REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")  # GRPO's; meaningless with the teacher alone
 # A KL weight that makes GRPO build its reference model, which the reference teacher reads; reset to 0 right after
 _BUILD_REFERENCE_BETA = 1e-12
+
+
+def _is_multimodal(inputs) -> bool:
+    return any(key in inputs for key in _MULTIMODAL_INPUTS)
 
 
 def _teacher_only(**kwargs):
@@ -212,11 +220,12 @@ class OPDTrainer(HubMixin, GRPOTrainer):
 
     def _student_causal_lm(self):
         """The student without its PEFT or distributed wrappers."""
-        return causal_lm(self.accelerator, self.model)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
-    def _student_head(self, student):
-        """The student's LM head at the sampling temperature (`student.student_head`)."""
-        return student_head(student, self.temperature)
+    def _student_head(self, student) -> OutputHead:
+        """The student's LM head at the sampling temperature: the policy that sampled, as GRPO's log-probs are."""
+        return OutputHead.of(student, temperature=self.temperature)
 
     def _is_student_parameter(self, weight) -> bool:
         return any(parameter is weight for parameter in self.accelerator.unwrap_model(self.model).parameters())
@@ -392,7 +401,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         `old_per_token_logps` where GRPO did not already compute them (on-policy, no vLLM), and, with a
         cross-tokenizer teacher's byte credit, the student's side of that credit, `student_prefix_shift` (see
         `byte_credit`; then a forward of its own where GRPO computed the old log-probs)."""
-        byte_credit = self.args.byte_credit
+        byte_credit = self.plan.byte_credit
         done = output.get("old_per_token_logps") is not None
         if done and (not byte_credit or "student_prefix_shift" in output):
             return
@@ -454,7 +463,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         """4. loss: GRPO's objective on the batch's advantages (formed in this forward, where the plan says) and the
         dense term, on one student forward; its log-probs projected at the completion only where GRPO's head would
         project every position (`student.py`)."""
-        compact = self.plan.compact_logps and not is_multimodal(inputs)
+        compact = self.plan.compact_logps and not _is_multimodal(inputs)
         self._loss_forward = LossForward(
             compact=self._completion_logps if compact else None,
             observe=partial(self._form_advantages, inputs) if is_deferred(inputs) else None,
@@ -490,7 +499,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
 
     def _loss_inside_forward(self, model, inputs):
         student = self._student_causal_lm()
-        if self.plan.policy_term_zero and is_deferred(inputs) and not is_multimodal(inputs):
+        if self.plan.policy_term_zero and is_deferred(inputs) and not _is_multimodal(inputs):
             # the dense term is the whole loss: the backbone alone, no vocabulary projection but the dense term's
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)

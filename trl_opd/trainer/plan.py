@@ -19,6 +19,7 @@ class OPDPlan:
     dense_weight: float  # the dense term's weight in the loss: 0 without one, or with the teacher switched off
     rewards: bool  # reward functions (or an environment's `get_reward`) join the teacher's signal
     combination: str | None  # with rewards: "advantage" (summed advantages) or "loss" (L_RL + coef * L_OPD)
+    byte_credit: bool  # a cross-tokenizer teacher credited by bytes: its advantage needs the sampler's prefixes too
     advantages_in_loss_forward: bool  # formed from the loss forward's log-probs (else at generation: see below)
     policy_term_zero: bool  # GRPO's policy loss is 0 on every batch whose advantages the loss forward forms
     compact_logps: bool  # the loss forward projects the completion positions only (`student.py`)
@@ -48,6 +49,7 @@ class OPDPlan:
             dense_weight=(args.opd_dense_coef * (args.opd_loss_coef if rewards else 1.0)) if dense else 0.0,
             rewards=rewards,
             combination=args.opd_reward_combination if rewards else None,
+            byte_credit=args.byte_credit,
             advantages_in_loss_forward=not grpo_old_logps and not args.byte_credit,
             policy_term_zero=policy_term_zero,
             compact_logps=grpo.accelerator.device.type == "cpu" and not grpo.aux_loss_enabled

@@ -1,5 +1,5 @@
-"""The student's side of the loss: its causal LM, its output head at the sampling temperature, and, where GRPO's fused
-LM head would project every position, its log-probs projected at the completion positions only.
+"""The student's side of the loss, where GRPO's fused LM head would project every position: its log-probs projected at
+the completion positions only (the trainer's `_student_causal_lm` and `_student_head` give the model and its head).
 
 GRPO's loss forward scores the completion through TRL's fused LM head, which on Triton devices projects only the
 completion positions; elsewhere (a CPU) it projects every position of the sequence, prompt included, with gradient,
@@ -11,28 +11,7 @@ no-grad projection of the same positions: the same values, to round-off, at the 
 
 from __future__ import annotations
 
-from accelerate.utils import is_peft_model
-
 from ..heads import OutputHead, head_token_logps, head_token_stats
-
-# inputs that GRPO's loss forward passes to a vision-language student: those forwards are left to GRPO
-MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
-                     "mm_token_type_ids")
-
-
-def is_multimodal(inputs) -> bool:
-    return any(key in inputs for key in MULTIMODAL_INPUTS)
-
-
-def causal_lm(accelerator, model):
-    """The student without its distributed and PEFT wrappers."""
-    unwrapped = accelerator.unwrap_model(model)
-    return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-
-
-def student_head(student, temperature: float) -> OutputHead:
-    """The student's LM head at the sampling temperature: the policy that sampled, as GRPO's log-probs are."""
-    return OutputHead.of(student, temperature=temperature)
 
 
 def completion_logps(student, head: OutputHead, autocast, model, input_ids, attention_mask, logits_to_keep,
