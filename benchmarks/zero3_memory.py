@@ -59,7 +59,7 @@ def worker(argv: list[str]) -> None:
     """One run (launched directly or by `accelerate launch`): train 2 steps, measure the second, write rank's JSON."""
     from transformers import TrainerCallback
 
-    from trl_opd.tools import cli
+    from trl_opd.tools import cli, recipe
     from trl_opd.tools.testing import TensorMemoryMeter
     from trl_opd.trainer import OPDTrainer
 
@@ -123,7 +123,7 @@ def worker(argv: list[str]) -> None:
         wrap(DeepSpeedEngine, "step", before=lambda: callbacks[0].update_starts())
     if cli._cpu_process_group():
         argv += ["--accelerator_config", '{"use_configured_state": true}']
-    cli.train(*cli.make_parser().parse_args_and_config(argv))
+    cli.train(*recipe.make_parser().parse_args_and_config(argv))
 
 
 def run(pair: Path, estimator: str, processes: int, output_dir: Path) -> list[dict]:

@@ -16,7 +16,7 @@ def test_smoke_recipe_trains_and_saves_a_reloadable_adapter(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     output_dir = tmp_path / "smoke"
-    trainer = cli.train(*cli.make_parser().parse_args_and_config([
+    trainer = cli.train(*recipe.make_parser().parse_args_and_config([
         "--config", SMOKE,
         "--model_name_or_path", str(tiny / "student"),
         "--teacher_model_name_or_path", str(tiny / "teacher"),
@@ -55,12 +55,12 @@ def test_a_run_read_from_its_logs_alone_writes_no_weights(tiny, tmp_path):
     argv = ["--config", SMOKE, "--model_name_or_path", str(tiny / "student"), "--teacher_model_name_or_path",
             str(tiny / "teacher"), "--dataset_name", str(tiny / "train.jsonl"), "--output_dir", str(tmp_path / "out"),
             "--max_steps", "2", "--logging_steps", "1", "--save_final_model", "false"]
-    trainer = cli.train(*cli.make_parser().parse_args_and_config(argv))
+    trainer = cli.train(*recipe.make_parser().parse_args_and_config(argv))
     assert trainer.state.global_step == 2 and "opd/reverse_kl" in trainer.state.log_history[0]
     written = [p.name for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert not [name for name in written if name.endswith((".safetensors", ".bin", ".pt", ".md"))], written
     with pytest.raises(ValueError, match="save_final_model: false saves no final model"):
-        cli.train(*cli.make_parser().parse_args_and_config([*argv, "--push_to_hub", "true"]))
+        cli.train(*recipe.make_parser().parse_args_and_config([*argv, "--push_to_hub", "true"]))
 
 
 def test_prompt_column_is_mapped_and_wrapped_as_a_chat_message(tmp_path):

@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from trl_opd.tools import cli
+from trl_opd.tools import cli, recipe
 
 ROOT = Path(__file__).parents[1]
 SMOKE = str(ROOT / "recipes" / "smoke_cpu.yaml")
@@ -50,7 +50,7 @@ def _train_both_ways(args, tmp_path) -> tuple[Path, Path]:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "Saved the trained" in result.stdout + result.stderr
     _assert_no_group_left_for_exit(result.stderr, processes=2)
-    cli.train(*cli.make_parser().parse_args_and_config([*args(one), "--per_device_train_batch_size", "16"]))
+    cli.train(*recipe.make_parser().parse_args_and_config([*args(one), "--per_device_train_batch_size", "16"]))
     return two, one
 
 

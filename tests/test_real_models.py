@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from trl_opd.models_dir import resolve_model
-from trl_opd.tools import cli
+from trl_opd.tools import cli, recipe
 
 QWEN_05B, QWEN_15B = "Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -32,7 +32,7 @@ def code_task(tmp_path_factory):
 
 def _train_smollm2(code_task, output_dir, *extra):
     # by Hub id, as a recipe names it: build_trainer reads it from OPD_MODELS_DIR
-    args = cli.make_parser().parse_args_and_config([
+    args = recipe.make_parser().parse_args_and_config([
         "--config", str(ROOT / "recipes" / "smoke_cpu.yaml"), "--model_name_or_path", SMOLLM2,
         "--teacher_model_name_or_path", SMOLLM2, "--dataset_name", str(code_task / "train.jsonl"),
         "--output_dir", str(output_dir), "--max_steps", "2", "--logging_steps", "1", "--lora_r", "8",

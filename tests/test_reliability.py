@@ -158,10 +158,10 @@ def test_push_errors_mask_a_token_from_the_environment(tiny, tmp_path, monkeypat
 def test_a_teachers_value_that_is_not_a_mapping_is_refused_at_parse_time(tmp_path):
     common = ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--bf16", "false"]
     with pytest.raises(ValueError, match=r"teachers must be a mapping .* got str '\[\"a\", \"b\"\]'"):
-        cli.make_parser().parse_args_and_config([*common, "--teachers", '["a", "b"]'])
+        recipe.make_parser().parse_args_and_config([*common, "--teachers", '["a", "b"]'])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cli.make_parser().parse_args_and_config([*common, "--teacher_server_url", "http://127.0.0.1:9"])
+        recipe.make_parser().parse_args_and_config([*common, "--teacher_server_url", "http://127.0.0.1:9"])
     assert not [w for w in caught if "credentials" in str(w.message)]  # a plain URL warns about nothing
 
 
@@ -236,7 +236,7 @@ def test_evaluation_on_the_training_file_is_refused_before_anything_loads(tmp_pa
     for extra in ([], ["--eval_dataset_name", str(tmp_path / "." / "train.jsonl")]):
         argv = ["--model_name_or_path", str(tmp_path / "no-model-needed"), "--dataset_name", data, "--bf16", "false",
                 "--output_dir", str(tmp_path / "out"), "--eval_strategy", "steps", *extra]
-        script_args, training_args, model_args = cli.make_parser().parse_args_and_config(argv)
+        script_args, training_args, model_args = recipe.make_parser().parse_args_and_config(argv)
         with pytest.raises(ValueError, match=r"Evaluation would read the training prompts: .* eval_dataset_name"):
             recipe.check_held_out(script_args)
     script_args.eval_dataset_name = _jsonl(tmp_path / "heldout.jsonl", [{"prompt": "b"}])
@@ -281,7 +281,7 @@ def test_the_teachers_prompt_column_is_built_by_the_students_rules(tmp_path):
 def test_bad_settings_are_refused_at_parse_time_naming_the_field(tmp_path, extra, message):
     argv = ["--model_name_or_path", "m", "--output_dir", str(tmp_path), "--bf16", "false", *extra]
     with pytest.raises(ValueError, match=message):
-        cli.make_parser().parse_args_and_config(argv)
+        recipe.make_parser().parse_args_and_config(argv)
 
 
 def test_a_non_finite_loss_stops_training_before_that_step_is_saved(tiny, prompts, make_config, tmp_path):
@@ -357,7 +357,7 @@ def test_an_empty_prompt_file_is_refused_by_name(tmp_path):
     empty.write_text("")
     argv = ["--model_name_or_path", "m", "--output_dir", str(tmp_path / "out"), "--bf16", "false",
             "--dataset_name", str(empty), "--prompt_as_user_message", "true", "--system_prompt", "Be brief."]
-    script_args, training_args, model_args = cli.make_parser().parse_args_and_config(argv)
+    script_args, training_args, model_args = recipe.make_parser().parse_args_and_config(argv)
     with pytest.raises(ValueError, match=r"Dataset file '.*empty.jsonl' is empty: there are no prompts in it"):
         recipe.load_prompts(script_args, "train")
 

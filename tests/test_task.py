@@ -10,7 +10,7 @@ import pytest
 from trl.rewards import accuracy_reward
 
 from trl_opd.envs.addition import TASK_SETTINGS, addition_rows, is_heldout
-from trl_opd.tools import cli
+from trl_opd.tools import cli, recipe
 
 ROOT = Path(__file__).parents[1]
 RECIPE = str(ROOT / "recipes" / "addition_cpu.yaml")
@@ -111,7 +111,7 @@ def test_teacher_is_far_better_than_the_student_on_heldout_prompts(tiny_task):
 
 @pytest.mark.parametrize("estimator", ["full", "sampled"])
 def test_demo_recipe_evaluates_heldout_accuracy_and_kl_during_training(tiny_task, tmp_path, capsys, estimator):
-    trainer = cli.train(*cli.make_parser().parse_args_and_config([
+    trainer = cli.train(*recipe.make_parser().parse_args_and_config([
         "--config", RECIPE,
         "--model_name_or_path", str(tiny_task / "student"),
         "--teacher_model_name_or_path", str(tiny_task / "teacher"),

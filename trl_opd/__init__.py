@@ -34,3 +34,8 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'trl_opd' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names too, before their first use loads them (tab completion finds `OPDTrainer`)."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

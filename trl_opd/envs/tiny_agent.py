@@ -200,7 +200,7 @@ def make_tiny_agent(directory: str | Path, *, template: str = "compact", student
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trl_opd.envs.tiny_agent", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="trl-opd make-tiny-agent", description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", default="artifacts/tiny_agent")
     parser.add_argument("--template", choices=["compact", "qwen3"], default="compact")
     parser.add_argument("--overwrite", action="store_true")

@@ -1,26 +1,142 @@
-"""`trl-opd` / `python -m trl_opd`: parse a recipe -> build the trainer -> train -> save (and push).
+"""`trl-opd` / `python -m trl_opd`: the command line. `trl-opd --help` lists the subcommands; a recipe is a YAML file,
+or the name of one this package ships (`trl-opd recipes` lists them).
 
-    trl-opd --config recipes/smoke_cpu.yaml [--max_steps 5 ...]        # train (also: trl-opd train --config ...)
-    accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/smoke_cpu.yaml
-    trl-opd make-tiny artifacts/tiny                                    # the local models the smoke recipe uses
-    trl-opd make-tiny-agent artifacts/tiny_agent                        # the tool-using pair of the agent recipe
-    trl-opd serve-teacher MODEL [--port 8000] [vllm args]               # a vLLM server for teacher_server_url
-    trl-opd serve-env [--port 8765]                                     # the code tool environment (OpenEnv) server
-    trl-opd check --config recipes/smoke_cpu.yaml                       # one-batch preflight of a recipe
-    trl-opd push outputs/smoke --repo-id ORG/NAME [--merge]             # push a saved adapter/model to the Hub
+    trl-opd train --config smoke_cpu [--max_steps 5 ...]                 # parse -> build -> train -> save (and push)
+    trl-opd --config recipes/smoke_cpu.yaml                              # the same: `train` is the default
+    accelerate launch --config_file $(trl-opd config-path cpu) -m trl_opd --config smoke_cpu
+    trl-opd check --config smoke_cpu                                     # one-batch preflight of a recipe
+
+Nothing heavy is imported before a subcommand needs it: `trl-opd --help` answers at once, and each subcommand's module
+is imported when it runs.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trl import ModelConfig
+if TYPE_CHECKING:
+    from trl import ModelConfig
 
-from ..config import OPDConfig
-from ..trainer.metrics import metric_text
-from .recipe import OPDScriptArguments, build_trainer, make_parser
+    from ..config import OPDConfig
+    from .recipe import OPDScriptArguments
+
+# each subcommand: what runs it ("module:function", given the arguments after the name) and its line in --help
+COMMANDS = {
+    "train": ("trl_opd.tools.cli:train_main", "train a recipe: trl-opd train --config smoke_cpu [--max_steps 5 ...]"),
+    "check": ("trl_opd.tools.cli:check_main", "one batch of a recipe, checked before a long run (reference KL 0)"),
+    "recipes": ("trl_opd.tools.packaged:recipes_main", "list the recipes this package ships, each with its purpose"),
+    "config-path": ("trl_opd.tools.packaged:config_path_main",
+                    "the path of a shipped accelerate config, for accelerate launch --config_file"),
+    "make-tiny": ("trl_opd.tiny:main", "build the tiny local student and teacher the smoke recipes train (seconds)"),
+    "make-tiny-agent": ("trl_opd.envs.tiny_agent:main", "build the tiny tool-using pair of the agent recipe"),
+    "make-tiny-task": ("trl_opd.envs.addition:main", "build the addition task of the demo (two short SFT runs)"),
+    "make-code-task": ("trl_opd.envs.code_output:main", "build the code-output task of the real models' recipes"),
+    "serve-teacher": ("trl_opd.tools.serve:main", "start a vLLM server that scores for teacher_server_url"),
+    "serve-env": ("trl_opd.envs.code_env.server:main", "start the code tool environment server (OpenEnv)"),
+    "push": ("trl_opd.tools.cli:push_main", "push a saved adapter or model to the Hub"),
+}
+USAGE = "usage: trl-opd <command> [options]    (trl-opd --config RECIPE trains: `train` is the default)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(help_text())
+        sys.exit(0 if argv else 2)  # a bare `trl-opd` asked for nothing
+    if argv[0] == "--version":
+        from .. import __version__
+
+        print(f"trl-opd {__version__}")
+        return
+    name = "train" if argv[0].startswith("-") else argv.pop(0)
+    if name not in COMMANDS:
+        sys.exit(_unknown(name))
+    module, function = COMMANDS[name][0].split(":")
+    import importlib
+
+    return getattr(importlib.import_module(module), function)(argv)
+
+
+def help_text() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [USAGE, "", "On-policy distillation of a student from a teacher, on TRL's GRPO trainer.", "", "commands:"]
+    lines += [f"  {name:<{width}}  {line}" for name, (_, line) in COMMANDS.items()]
+    lines += ["", "`trl-opd <command> --help` for a command's options; `trl-opd recipes` for the shipped recipes."]
+    return "\n".join(lines)
+
+
+def _unknown(name: str) -> int:
+    """The usage, what was not understood and the nearest command, on stderr; exit status 2, as argparse's."""
+    lines = [USAGE, f"trl-opd: {name!r} is not a command."]
+    close = difflib.get_close_matches(name, COMMANDS, n=1, cutoff=0.6)
+    if close:
+        lines.append(f"Did you mean `trl-opd {close[0]}`?")
+    elif name.endswith((".yaml", ".yml")) or Path(name).exists():
+        lines.append(f"Did you mean `trl-opd --config {name}`?")
+    lines.append("`trl-opd --help` lists the commands.")
+    print("\n".join(lines), file=sys.stderr)
+    return 2
+
+
+def train_main(argv: list[str]) -> None:
+    """`trl-opd train`: parse the recipe and the options after it, train, save (and push)."""
+    from .recipe import make_parser
+
+    argv = _with_recipe_path(argv)
+    if _cpu_process_group():
+        # the arguments must take the process group just set up rather than build their own
+        argv = _with_configured_state(argv)
+    script_args, training_args, model_args = make_parser("trl-opd train").parse_args_and_config(argv)
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
+    accelerator = train(script_args, training_args, model_args, recipe=recipe).accelerator
+    end_processes(accelerator)
+
+
+def check_main(argv: list[str]) -> None:
+    """`trl-opd check`: the preflight of a recipe; exit status 1 if the reference KL is not zero."""
+    from .preflight import check
+    from .recipe import make_parser
+
+    argv = _with_recipe_path(argv)
+    if _cpu_process_group():
+        argv = _with_configured_state(argv)
+    report = check(*make_parser("trl-opd check").parse_args_and_config(argv))
+    end_processes()
+    sys.exit(0 if report["ok"] else 1)
+
+
+def push_main(argv: list[str]) -> None:
+    """`trl-opd push`: a trained output directory to the Hub (the trainer's own pushes are in `trainer/hub.py`)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="trl-opd push", description="Push a trained output directory to the Hub.")
+    parser.add_argument("output_dir")
+    parser.add_argument("--repo-id", required=True)
+    parser.add_argument("--merge", action="store_true", help="push the adapter merged into its base model")
+    parser.add_argument("--private", action="store_true")
+    args = parser.parse_args(argv)
+    from ..trainer.hub import HubPushError, push
+
+    try:
+        url = push(args.output_dir, args.repo_id, merge=args.merge, private=args.private or None)
+    except HubPushError as error:
+        raise SystemExit(str(error)) from None
+    print(json.dumps({"pushed": args.output_dir, "to": url}))
+
+
+def _with_recipe_path(argv: list[str]) -> list[str]:
+    """`argv` whose `--config` names a file: a path as given, or a shipped recipe's name (`smoke_cpu`)."""
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        return argv
+    from .packaged import recipe_path
+
+    at = argv.index("--config") + 1
+    return [*argv[:at], str(recipe_path(argv[at])), *argv[at + 1:]]
 
 
 def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args: ModelConfig, *,
@@ -32,6 +148,7 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
     model after its local save. With `push_merged` the final push is the adapter merged into its base model instead.
     """
     from ..trainer.hub import push, pushing
+    from .recipe import build_trainer
 
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
     merged = training_args.push_to_hub and script_args.push_merged
@@ -84,6 +201,8 @@ EVAL_SUMMARY_METRICS = {
 
 def print_eval_summary(trainer) -> None:
     """Held-out metrics at the first and the last evaluation, evaluating once more if the last step had none."""
+    from ..trainer.metrics import metric_text
+
     evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     if not evals or evals[-1]["step"] != trainer.state.global_step:
         trainer.evaluate()
@@ -94,52 +213,6 @@ def print_eval_summary(trainer) -> None:
         if key in first and key in last:
             lines.append(f"  {name:<38} {metric_text(first[key], '.4f'):>8} -> {metric_text(last[key], '.4f'):>8}")
     trainer.accelerator.print("\n".join(lines))
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["make-tiny"]:
-        from ..tiny import main as make_tiny_main
-
-        return make_tiny_main(argv[1:])
-    if argv[:1] == ["make-tiny-agent"]:
-        from ..envs.tiny_agent import main as make_tiny_agent_main
-
-        return make_tiny_agent_main(argv[1:])
-    if argv[:1] == ["make-tiny-task"]:
-        from ..envs.addition import main as make_tiny_task_main
-
-        return make_tiny_task_main(argv[1:])
-    if argv[:1] == ["make-code-task"]:
-        from ..envs.code_output import main as make_code_task_main
-
-        return make_code_task_main(argv[1:])
-    if argv[:1] == ["serve-teacher"]:
-        from .serve import main as serve_main
-
-        return serve_main(argv[1:])
-    if argv[:1] == ["serve-env"]:
-        from ..envs.code_env.server import main as serve_env_main
-
-        return serve_env_main(argv[1:])
-    if argv[:1] == ["push"]:
-        from ..trainer.hub import main as push_main
-
-        return push_main(argv[1:])
-    command = argv.pop(0) if argv[:1] in (["check"], ["train"]) else "train"
-    if _cpu_process_group():
-        # the arguments must take the process group just set up rather than build their own
-        argv = _with_configured_state(argv)
-    if command == "check":
-        from .preflight import check
-
-        report = check(*make_parser().parse_args_and_config(argv))
-        end_processes()
-        sys.exit(0 if report["ok"] else 1)
-    script_args, training_args, model_args = make_parser().parse_args_and_config(argv)
-    recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
-    accelerator = train(script_args, training_args, model_args, recipe=recipe).accelerator
-    end_processes(accelerator)
 
 
 def end_processes(accelerator=None) -> None:

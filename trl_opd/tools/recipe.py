@@ -82,8 +82,8 @@ class OPDScriptArguments(ScriptArguments):
     )
 
 
-def make_parser() -> TrlParser:
-    return TrlParser((OPDScriptArguments, OPDConfig, ModelConfig), prog="trl-opd")
+def make_parser(prog: str = "trl-opd train") -> TrlParser:
+    return TrlParser((OPDScriptArguments, OPDConfig, ModelConfig), prog=prog)
 
 
 # where the CPU recipes expect their tiny models, and the command that builds them there

@@ -9,7 +9,6 @@ the last push fails, one error says so and points at the complete local copy, wh
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from contextlib import contextmanager
@@ -189,18 +188,3 @@ class HubMixin:
         if self.is_world_process_zero() and self.args.hub_strategy != "end":  # the card goes up with the checkpoint
             self.create_model_card(is_adapter=(Path(checkpoint_folder) / "adapter_config.json").exists())
         super()._push_from_checkpoint(checkpoint_folder)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="trl-opd push", description="Push a trained output directory to the Hub.")
-    parser.add_argument("output_dir")
-    parser.add_argument("--repo-id", required=True)
-    parser.add_argument("--merge", action="store_true", help="push the adapter merged into its base model")
-    parser.add_argument("--private", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        url = push(args.output_dir, args.repo_id, merge=args.merge, private=args.private or None)
-    except HubPushError as error:
-        raise SystemExit(str(error)) from None
-    print(json.dumps({"pushed": args.output_dir, "to": url}))
-

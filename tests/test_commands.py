@@ -1,0 +1,108 @@
+"""The command line a pip user meets: subcommands listed at once, typos answered with usage, recipes shipped in the
+wheel and found by name."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import trl_opd
+from trl_opd.tools import cli, packaged
+
+ROOT = Path(__file__).parents[1]
+HEAVY = ("torch", "transformers", "trl", "datasets", "accelerate", "peft")
+
+
+def _trl_opd(*args, cwd=None, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-m", "trl_opd", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+def test_help_lists_every_command_without_importing_torch_or_trl():
+    probe = ("import sys\nfrom trl_opd.tools import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit as e:\n"
+             f"    print('EXIT', e.code)\nprint('HEAVY', sorted(set({HEAVY!r}) & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert "EXIT 0" in result.stdout and "HEAVY []" in result.stdout, result.stdout + result.stderr
+    for name, (_, line) in cli.COMMANDS.items():
+        assert f"  {name}" in result.stdout and line in result.stdout
+
+
+def test_no_command_prints_the_list_and_exits_2():
+    result = _trl_opd()
+    assert result.returncode == 2
+    assert result.stdout.startswith("usage: trl-opd <command>") and "make-tiny-task" in result.stdout
+
+
+@pytest.mark.parametrize("typed, hint", [
+    ("nosuchcmd", None),
+    ("chek", "Did you mean `trl-opd check`?"),
+    ("make-tiny-tsk", "Did you mean `trl-opd make-tiny-task`?"),
+    ("recipes/smoke_cpu.yaml", "Did you mean `trl-opd --config recipes/smoke_cpu.yaml`?"),
+])
+def test_an_unknown_command_exits_2_with_usage_and_the_nearest_command(typed, hint):
+    result = _trl_opd(typed, cwd=ROOT)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("usage: trl-opd <command>")
+    assert f"trl-opd: {typed!r} is not a command" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (hint in result.stderr) if hint else "Did you mean" not in result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_each_command_s_help_names_it_as_trl_opd_command(name, capsys):
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main([name, "--help"])
+    assert exit_code.value.code == 0
+    usage = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("usage:"))
+    assert usage.startswith(f"usage: trl-opd {name} ")
+
+
+def test_a_recipe_is_found_by_name_or_by_path_and_a_typo_by_its_nearest_name(tmp_path):
+    shipped = packaged.recipe_path("smoke_cpu")
+    assert shipped == packaged.RECIPES / "smoke_cpu.yaml" and shipped.exists()
+    assert packaged.recipe_path("smoke_cpu.yaml") == shipped
+    assert packaged.recipe_path("recipes/smoke_cpu.yaml") == Path("recipes/smoke_cpu.yaml")  # a path, as given
+    own = tmp_path / "smoke_cpu.yaml"
+    own.write_text("model_name_or_path: m\n")
+    assert packaged.recipe_path(str(own)) == own
+    with pytest.raises(SystemExit, match=r"'smoke' is neither a file nor a recipe .* Did you mean 'smoke_cpu'\?"):
+        packaged.recipe_path("smoke")
+    assert packaged.accelerate_config_path("zero3") == packaged.ACCELERATE / "zero3.yaml"
+    with pytest.raises(SystemExit, match="Did you mean 'cpu'"):
+        packaged.accelerate_config_path("cpux")
+
+
+def test_recipes_lists_each_shipped_recipe_with_the_first_sentence_of_its_header(capsys):
+    cli.main(["recipes"])
+    listing = capsys.readouterr().out.splitlines()
+    names = sorted(path.stem for path in packaged.RECIPES.glob("*.yaml"))
+    assert [line.split()[0] for line in listing[1:-1]] == names
+    assert "  smoke_cpu " in "\n".join(listing)
+    assert any(line.split(None, 1)[1] == "The main demo: OPD on CPU, no network." for line in listing[1:-1]
+               if line.split()[0] == "addition_cpu")
+    assert all(len(line) <= 120 for line in listing[1:-1])
+    assert (ROOT / "recipes").resolve() == packaged.RECIPES  # the repository's recipes/ is the packaged folder
+
+
+def test_the_package_lists_its_public_names_before_they_load():
+    assert {"OPDConfig", "OPDTrainer", "TeacherScorer", "TeacherScores"} <= set(dir(trl_opd))
+    assert not [name for name in dir(trl_opd) if not name.startswith("_") and name not in trl_opd.__all__]
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_recipes_and_trains_one_by_name_from_an_empty_folder(tmp_path):
+    from trl_opd.tools.testing import install_wheel
+
+    site = install_wheel(ROOT, tmp_path / "install")
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    where = _trl_opd("config-path", "cpu", cwd=empty, env=env)
+    assert where.returncode == 0 and Path(where.stdout.strip()) == site / "trl_opd/recipes/accelerate/cpu.yaml"
+    assert _trl_opd("make-tiny", "artifacts/tiny", cwd=empty, env=env, timeout=300).returncode == 0
+    run = _trl_opd("--config", "smoke_cpu", "--max_steps", "1", cwd=empty, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Saved the trained adapter to outputs/smoke" in run.stdout
+    assert (empty / "outputs/smoke/adapter_model.safetensors").exists()
