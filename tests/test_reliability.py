@@ -67,6 +67,28 @@ def test_a_server_error_never_shows_the_urls_credentials(tokenizer):
     assert PASSWORD not in str(error.value)
 
 
+def test_waiting_for_a_teacher_server_says_so_every_10_s_until_its_timeout(tiny, tmp_path):
+    # the served smoke recipe, as a user runs it, with nothing listening at its server's port: the wait is shown
+    import subprocess
+    import sys
+    import time
+
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_opd", "--config", "smoke_cpu_served", "--teacher_server_url", url,
+         "--teacher_server_startup_timeout", "12", "--model_name_or_path", str(tiny / "student"),
+         "--dataset_name", str(tiny / "train.jsonl"), "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    waited = time.monotonic() - started
+    notes = [line for line in result.stderr.splitlines() if line.startswith("Waiting for the teacher server")]
+    assert result.returncode != 0 and f"Teacher server {url} was not up after 12 s" in result.stderr
+    assert [note.split(": ")[-1] for note in notes] == ["0 s of at most 12 s (teacher_server_startup_timeout).",
+                                                        "10 s of at most 12 s (teacher_server_startup_timeout)."]
+    assert all(f"{url} (ConnectionError: nothing answers yet)" in note for note in notes)
+    assert 12 <= waited < 60 and not (tmp_path / "out").exists()  # no model loaded or written before it
+
+
 def test_start_up_waits_for_a_teacher_server_that_is_still_loading(tokenizer):
     # a large teacher refuses connections while its server starts, then answers 503 until the model is loaded:
     # connect waits for it (up to teacher_server_startup_timeout), where a request's own retries give up at once
@@ -93,7 +115,7 @@ def test_start_up_waits_for_a_teacher_server_that_is_still_loading(tokenizer):
     paths = [path for path, *_ in servers[0].requests]
     assert time.monotonic() - started >= 3.0 and paths[-3:] == ["/health", "/health", "/v1/models"]
 
-    with pytest.raises(TeacherServerError, match=r"was not up after 0\.5 s \(last: ConnectionError\).*raise "
+    with pytest.raises(TeacherServerError, match=r"was not up after 0\.5 s \(last: ConnectionError: .*raise "
                                                  r"teacher_server_startup_timeout"):
         VLLMServerTeacher(f"http://127.0.0.1:{free_port()}", startup_timeout=0.5).connect(tokenizer, student_name="s")
 

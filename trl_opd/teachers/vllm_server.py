@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import logging
 import os
 import re
 import time
@@ -26,6 +27,9 @@ from ..secrets import mask_urls, masked
 from .base import SourceSupport, TeacherScores
 from .completions_response import completion_entries, completion_payload, read_entries
 from .server_errors import TeacherServerError, reading
+
+logger = logging.getLogger(__name__)
+WAIT_NOTE_EVERY = 10.0  # seconds between the lines that say a start-up wait goes on
 
 # A probe that exercises words, digits, punctuation and whitespace, for the tokenizer comparison
 _TOKENIZER_PROBE = "Distil: 12 + 7 = 19, isn't it?\n  The answer is 19."
@@ -238,18 +242,28 @@ class VLLMServerTeacher:
     def _wait_until_up(self, url: str) -> None:
         """Until `url`/health answers 200, for at most `startup_timeout` seconds: a server that is still loading its
         model refuses connections or answers 503. Any other answer is passed on as `_request` reads it."""
-        deadline = time.monotonic() + self.startup_timeout
+        start = time.monotonic()
+        deadline, next_note, noted = start + self.startup_timeout, start, False
         while True:
             try:
                 response = self._session.get(url + "/health", timeout=self.timeout)
                 if response.status_code == 200:
+                    if noted:
+                        logger.warning("Teacher server %s is up, after %.0f s.", mask_urls(url),
+                                       time.monotonic() - start)
                     return
                 if response.status_code != 503:
                     break
-                last = "HTTP 503"
+                last = "HTTP 503: loading its model"
             except (requests.ConnectionError, requests.Timeout) as error:
-                last = type(error).__name__
-            if time.monotonic() >= deadline:
+                last = f"{type(error).__name__}: nothing answers yet"
+            now = time.monotonic()
+            if now >= next_note and now < deadline:  # never a silent wait
+                logger.warning("Waiting for the teacher server %s (%s): %.0f s of at most %g s "
+                               "(teacher_server_startup_timeout).", mask_urls(url), last, now - start,
+                               self.startup_timeout)
+                next_note, noted = now + WAIT_NOTE_EVERY, True
+            if now >= deadline:
                 raise TeacherServerError(
                     f"Teacher server {url} was not up after {self.startup_timeout:g} s (last: {last}). Is it running? "
                     "Start one with `trl-opd serve-teacher MODEL`; a large teacher takes minutes to load: raise "
