@@ -107,7 +107,8 @@ def test_the_cli_pushes_as_hub_strategy_says_each_time_with_its_model_card(tiny,
 
 
 def test_push_merged_with_a_per_save_hub_strategy_is_refused_before_training(tiny, tmp_path, recording_hub):
-    with pytest.raises(ValueError, match="push_merged pushes the merged model once, at the end"):
+    with pytest.raises(ValueError, match="push_merged pushes the merged model once, at the end, but hub_strategy "
+                                         "every_save also pushes"):  # the value as the user writes it
         cli.main(_push_argv(tiny, tmp_path / "run", "--hub_strategy", "every_save", "--push_merged", "true"))
     assert recording_hub.repos == []
 
@@ -142,7 +143,9 @@ def test_a_failed_final_push_loses_nothing(tiny, tmp_path, recording_hub, capfd)
     assert {"adapter_model.safetensors", "adapter_config.json", "README.md", "tokenizer.json"} <= files
     assert "model.safetensors" not in files
     card = (output_dir / "README.md").read_text()
-    for expected in (f"base_model: {tiny / 'student'}", "library_name: peft", f"**Teacher:** {tiny / 'teacher'}",
+    front = card.split("---")[1]
+    assert "base_model:" not in front and f"> **base_model is a local path** ({tiny / 'student'})" in card
+    for expected in ("library_name: peft", f"**Teacher:** {tiny / 'teacher'}",
                      f"**Recipe:** {SMOKE}", f"**Dataset:** {tiny / 'train.jsonl'}", "| `opd_estimator` | full |",
                      "| `opd_coef` | 0.0 |", "| `opd/reverse_kl` |", "| `step` | 2 |", "AutoPeftModelForCausalLM"):
         assert expected in card, expected
@@ -153,6 +156,30 @@ def test_a_failed_final_push_loses_nothing(tiny, tmp_path, recording_hub, capfd)
     merged_card = (merged_copy(output_dir, tmp_path / "merged") / "README.md").read_text()
     assert "library_name: transformers" in merged_card and "# Model trained by on-policy distillation" in merged_card
     assert "AutoPeftModelForCausalLM" not in merged_card and "| `opd/reverse_kl` |" in merged_card
+
+
+@pytest.mark.parametrize("estimator, objective", [
+    ("sampled", "The per-token difference log pi_teacher - log pi_student of each sampled token was the advantage of "
+                "GRPO's clipped policy-gradient objective (opd_coef 1)."),
+    ("full", "The loss was the reverse KL(student || teacher) at each sampled position, over the full vocabulary "
+             "(opd_dense_coef 1), with no sampled-token advantage (opd_coef 0)."),
+])
+def test_the_card_says_which_objective_ran_how_to_load_it_and_with_what(tiny, prompts, make_config, estimator,
+                                                                        objective):
+    import transformers
+    import trl
+
+    from trl_opd import OPDTrainer
+
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                         args=make_config(opd_estimator=estimator, max_steps=1, hub_model_id="me/tiny-opd"))
+    trainer.train()
+    trainer.create_model_card()
+    card = (Path(trainer.args.output_dir) / "README.md").read_text()
+    assert f"the teacher scored exactly those tokens (trl_opd's OPDTrainer on TRL's GRPOTrainer). {objective}\n" in card
+    assert f"| `opd_estimator` | {estimator} |" in card
+    assert 'AutoModelForCausalLM.from_pretrained("me/tiny-opd")' in card  # the Hub id, known, not a placeholder
+    assert f"- trl: {trl.__version__}" in card and f"- transformers: {transformers.__version__}" in card
 
 
 def test_push_command_and_merged_weights(tiny, tmp_path, unreachable_hub):

@@ -156,7 +156,8 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
         raise ValueError("save_final_model: false saves no final model, and push_to_hub pushes it: remove one.")
     if merged and training_args.hub_strategy != "end":
         raise ValueError(
-            f"push_merged pushes the merged model once, at the end, but hub_strategy {training_args.hub_strategy!r} "
+            f"push_merged pushes the merged model once, at the end, but hub_strategy "
+            f"{getattr(training_args.hub_strategy, 'value', training_args.hub_strategy)} "
             "also pushes the adapter at each save into the same repo. Set hub_strategy: end with push_merged, or "
             "push the merged model later with `trl-opd push OUTPUT_DIR --repo-id ORG/NAME --merge`."
         )

@@ -10,6 +10,7 @@ the last push fails, one error says so and points at the complete local copy, wh
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,41 +35,106 @@ def describe_teacher(args) -> str:
     return (source_support(args) or local.SUPPORT).describe(args)  # a teacher passed as a model: local
 
 
+logger = logging.getLogger(__name__)
+_WARNED_LOCAL: set[str] = set()
+_DIVERGENCES = {
+    "reverse_kl": "the reverse KL(student || teacher)",
+    "forward_kl": "the forward KL(teacher || student)",
+    "jsd": "the generalised Jensen-Shannon divergence (mixture {beta:g} * teacher + {rest:g} * student)",
+}
+_PACKAGES = ("trl_opd", "trl", "transformers", "torch", "peft", "datasets", "accelerate")
+
+
+def objective_text(settings: dict, rewards: str | None = None) -> str:
+    """What the run's loss was, in words, from the card's settings: the sampled-token advantage, the dense divergence
+    and its direction, with their weights, and the rewards beside them."""
+    estimator, coef = settings.get("opd_estimator"), settings.get("opd_coef")
+    objective = ("GRPO's clipped policy-gradient objective" if settings.get("opd_objective", "clipped") == "clipped"
+                 else "an unclipped importance-sampled policy-gradient objective")
+    sampled = ("the per-token difference log pi_teacher - log pi_student of each sampled token was the advantage of "
+               f"{objective}")
+    if estimator == "sampled":
+        text = f"{sampled[0].upper()}{sampled[1:]} (opd_coef {coef:g})."
+    else:
+        from ..loss import divergence_name
+
+        beta = settings.get("opd_divergence_beta", 1.0)
+        divergence = _DIVERGENCES[divergence_name(beta)].format(beta=beta, rest=1 - beta)
+        where = ("over the full vocabulary" if estimator == "full" else
+                 f"over the teacher's top {settings.get('opd_topk')} tokens, the rest of the vocabulary as one bucket")
+        text = (f"The loss was {divergence} at each sampled position, {where} (opd_dense_coef "
+                f"{settings.get('opd_dense_coef', 1.0):g})")
+        text += f"; beside it, {sampled} (opd_coef {coef:g})." if coef else (
+            ", with no sampled-token advantage (opd_coef 0).")
+    if rewards:
+        how = ("its advantages summed with the teacher's" if settings.get("opd_reward_combination") == "advantage" else
+               f"GRPO's loss on them plus opd_loss_coef {settings.get('opd_loss_coef', 1.0):g} times the teacher's")
+        text += f" Rewards ({rewards}) joined the teacher's signal: {how}."
+    return text
+
+
+def framework_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return versions
+
+
+def is_local_path(name: str) -> bool:
+    """A model named by a path on this machine, which the Hub cannot link as `base_model`."""
+    return bool(name) and (name.startswith((".", "/", "~")) or Path(name).exists())
+
+
 def model_card(*, base_model: str, teacher: str, recipe: str | None, dataset: str | None, settings: dict,
-               metrics: dict, is_adapter: bool) -> str:
-    """README.md text: YAML front matter for the Hub, then what was trained how, and how to load it."""
-    front = ["---", f"base_model: {base_model}", "library_name: " + ("peft" if is_adapter else "transformers"),
+               metrics: dict, is_adapter: bool, versions: dict | None = None, repo_id: str | None = None) -> str:
+    """README.md text: YAML front matter for the Hub, then what was trained how, and how to load it. A local path
+    is left out of the front matter's `base_model` (the Hub would link nothing) and named with a warning."""
+    local_base = is_local_path(base_model)
+    front = ["---", *([] if local_base else [f"base_model: {base_model}"]),
+             "library_name: " + ("peft" if is_adapter else "transformers"),
              "tags:", "- trl", "- trl_opd", "- on-policy-distillation"]
     if dataset:
         front.append(f"datasets:\n- {dataset}")
     front.append("---")
+    name = repo_id or "REPO_ID"  # a placeholder only where no Hub id was set
     load = (
-        "from peft import AutoPeftModelForCausalLM\n\nmodel = AutoPeftModelForCausalLM.from_pretrained(REPO_ID)"
+        f'from peft import AutoPeftModelForCausalLM\n\nmodel = AutoPeftModelForCausalLM.from_pretrained("{name}")'
         if is_adapter else
-        "from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained(REPO_ID)"
+        f'from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained("{name}")'
     )
+    if is_adapter:
+        load += f'  # and its base model, {base_model}' + (" (a local path: see above)" if local_base else "")
 
     def rows(values: dict) -> str:
         return "\n".join(f"| `{k}` | {v} |" for k, v in values.items()) or "| (none logged) | |"
 
     metrics = {name: metric_text(value) for name, value in metrics.items()}  # None: logged as not applicable
+    rewards = settings.get("reward_funcs")
+    warning = ([f"> **base_model is a local path** ({base_model}): the Hub cannot link it. Before publishing, set "
+                "`base_model:` in the front matter above to the student's Hub id.", ""] if local_base else [])
 
     return "\n".join([
         *front, "",
         f"# {'LoRA adapter' if is_adapter else 'Model'} trained by on-policy distillation",
         "",
+        *warning,
         f"- **Base model (student):** {base_model}",
         f"- **Teacher:** {teacher}",
         f"- **Recipe:** {recipe or 'Python API'}",
         f"- **Dataset:** {dataset or 'not recorded'}",
         "",
-        "The student sampled its own completions; the teacher scored each sampled token, and the per-token difference "
-        "of log-probabilities was the advantage of a clipped policy-gradient objective (trl_opd's OPDTrainer on "
-        "TRL's GRPOTrainer).",
+        "The student sampled its own completions and the teacher scored exactly those tokens (trl_opd's OPDTrainer "
+        "on TRL's GRPOTrainer). " + objective_text(settings, rewards),
         "",
         "## Settings", "", "| setting | value |", "|---|---|", rows(settings), "",
         "## Final metrics", "", "| metric | value |", "|---|---|", rows(metrics), "",
         "## Use", "", "```python", load, "```", "",
+        *(["## Framework versions", "", *(f"- {k}: {v}" for k, v in versions.items()), ""] if versions else []),
     ])
 
 
@@ -93,7 +159,12 @@ def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset:
                         for k, v in logged[-1].items() if k.startswith(("opd/", "loss", "reward"))})
     base_model = getattr(trainer.accelerator.unwrap_model(trainer.model).config, "_name_or_path", "")
     facts = dict(base_model=base_model, teacher=describe_teacher(args), recipe=recipe, dataset=dataset,
-                 settings=settings, metrics=metrics)
+                 settings=settings, metrics=metrics, versions=framework_versions(),
+                 repo_id=getattr(trainer, "hub_model_id", None) or args.hub_model_id)
+    if is_local_path(base_model) and base_model not in _WARNED_LOCAL:  # once a run, not with every checkpoint
+        _WARNED_LOCAL.add(base_model)
+        logger.warning("The model card's base model is a local path (%s): the Hub cannot link it; its README.md says "
+                       "so. Set base_model in its front matter to the student's Hub id before publishing.", base_model)
     (Path(output_dir) / CARD_FACTS).write_text(json.dumps(facts, indent=1, default=str))
     path = Path(output_dir) / "README.md"
     if is_adapter is None:
