@@ -123,3 +123,79 @@ def test_the_readme_s_cpu_python_example_runs_as_printed(tmp_path):
     before, after = map(float, result.stdout.split("sampled tokens: ")[1].split(" -> "))
     assert after < before  # 20 steps lower the student's KL to the teacher
     assert (tmp_path / "outputs/tiny-opd/adapter_model.safetensors").exists()
+
+
+# ------------------------------------------------------------------ bad input, named before anything heavy runs
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fails a test whose command gets as far as building a trainer: the error must come before any weights load."""
+    from trl_opd.trainer.opd_trainer import OPDTrainer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the trainer was built: the bad input was not caught first")
+
+    monkeypatch.setattr(OPDTrainer, "__init__", refuse)
+
+
+def test_a_misspelt_option_in_a_recipe_or_on_the_command_line_gets_the_nearest_name(tmp_path, capsys,
+                                                                                      nothing_loads):
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("model_name_or_path: artifacts/tiny/student\nlerning_rate: 1.0e-3\n")  # bf16 unset: not read
+    with pytest.raises(SystemExit) as exit_code:
+        cli.main(["--config", str(recipe), "--max_stesp", "3"])
+    assert exit_code.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "the command line: unknown option 'max_stesp'. Did you mean 'max_steps'?",
+        f"recipe {recipe}: unknown option 'lerning_rate'. Did you mean 'learning_rate'?",
+        "`trl-opd train --help` lists the options.",
+    ]
+
+
+def test_a_missing_model_path_is_named_with_the_nearest_one_that_exists(tiny, tmp_path, monkeypatch, nothing_loads):
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "tiny").symlink_to(tiny)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", "smoke_cpu", "--model_name_or_path", "artifacts/tiny/studnet", "--output_dir", "out"]
+    with pytest.raises(FileNotFoundError, match=r"model_name_or_path 'artifacts/tiny/studnet' does not exist .* "
+                                                r"Did you mean 'artifacts/tiny/student'\?"):
+        cli.main(argv)
+    # a plausible Hub id that is not a path here, with the Hub offline: both named, no Hub traceback
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    argv[3] = "tiny/student"
+    with pytest.raises(FileNotFoundError, match=r"'tiny/student' is neither a path here \(relative paths are from "
+                                                r".*\) nor, with HF_HUB_OFFLINE set, a Hub model in the local cache"):
+        cli.main(argv)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({}, r"bf16 is on \(GRPOConfig's default when unset\) and this machine has no GPU with bfloat16 .* Set "
+         r"`bf16: false` in the recipe"),
+    ({"bf16": False, "fp16": True}, r"fp16 mixed precision needs a GPU, and this machine has none\. Set `fp16: false`"),
+    ({"bf16": False, "use_liger_kernel": True}, r"use_liger_kernel is not supported: .* Remove it\."),
+])
+def test_options_this_machine_or_package_cannot_run_are_refused_with_the_fix(tmp_path, options, message):
+    import torch
+
+    from trl_opd import OPDConfig
+
+    if torch.accelerator.is_available() and "use_liger_kernel" not in options:
+        pytest.skip("bf16 and fp16 are refused only on a machine without a GPU")
+    with pytest.raises(ValueError, match=message):
+        OPDConfig(output_dir=str(tmp_path), report_to="none", **options)
+
+
+def test_resuming_a_finished_run_says_so_and_trains_and_saves_nothing(tiny, tmp_path, capsys):
+    argv = ["--config", "smoke_cpu", "--model_name_or_path", str(tiny / "student"), "--teacher_model_name_or_path",
+            str(tiny / "teacher"), "--dataset_name", str(tiny / "train.jsonl"), "--output_dir", str(tmp_path / "run"),
+            "--max_steps", "1", "--save_strategy", "steps", "--save_steps", "1", "--per_device_train_batch_size", "4"]
+    cli.main(argv)
+    adapter = tmp_path / "run" / "adapter_model.safetensors"
+    saved = adapter.stat().st_mtime_ns, adapter.read_bytes()
+    capsys.readouterr()
+    cli.main([*argv, "--resume_from_checkpoint", "true"])
+    out = capsys.readouterr().out
+    assert f"Nothing to train: {tmp_path / 'run' / 'checkpoint-1'} is at step 1, and max_steps is 1. Raise " \
+           "max_steps to train on from it (e.g. --max_steps 2)" in out
+    assert "Saved the trained" not in out and (adapter.stat().st_mtime_ns, adapter.read_bytes()) == saved

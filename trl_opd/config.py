@@ -384,6 +384,14 @@ class OPDConfig(GRPOConfig):
             self.num_generations = _UngroupedOne(1)
         try:
             super().__post_init__()
+        except ValueError as error:
+            if "doesn't support bf16" in str(error):  # transformers' advice (use_cpu) is not the fix here
+                raise ValueError(
+                    "bf16 is on (GRPOConfig's default when unset) and this machine has no GPU with bfloat16 "
+                    "(Ampere or later). Set `bf16: false` in the recipe, `--bf16 false` on the command line, or "
+                    "OPDConfig(bf16=False)."
+                ) from None
+            raise
         finally:
             if isinstance(self.num_generations, _UngroupedOne):
                 self.num_generations = 1

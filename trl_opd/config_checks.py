@@ -37,11 +37,26 @@ def check_options(args: OPDConfig) -> None:
     """Every OPD option's value alone and against the others (GRPO's own are checked by GRPOConfig)."""
     _check_choices(args)
     _check_numbers(args)
+    _check_grpo_options(args)
     _check_teacher_options(args)
     support = source_support(args)  # what the teacher source declares it can do (`teachers/sources.py`)
     _check_estimator_source(args.opd_estimator, support)
     _check_tokenizer_mode(args, support)
     _check_overlap(args, support)
+
+
+def _check_grpo_options(args: OPDConfig) -> None:
+    """GRPO's options that this package cannot honour, or this machine cannot run, refused by name."""
+    import torch
+
+    if (args.fp16 or args.fp16_full_eval) and (args.use_cpu or not torch.accelerator.is_available()):
+        raise ValueError("fp16 mixed precision needs a GPU, and this machine has none. Set `fp16: false` in the "
+                         "recipe, `--fp16 false` on the command line, or OPDConfig(fp16=False).")
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel is not supported: Liger's kernels are GPU (Triton) kernels that this package has not "
+            "run with OPD's loss forward and teacher scoring (and TRL 1.16 deprecates the option). Remove it."
+        )
 
 
 def _check_choices(args: OPDConfig) -> None:

@@ -84,13 +84,11 @@ def _unknown(name: str) -> int:
 
 def train_main(argv: list[str]) -> None:
     """`trl-opd train`: parse the recipe and the options after it, train, save (and push)."""
-    from .recipe import make_parser
-
     argv = _with_recipe_path(argv)
     if _cpu_process_group():
         # the arguments must take the process group just set up rather than build their own
         argv = _with_configured_state(argv)
-    script_args, training_args, model_args = make_parser("trl-opd train").parse_args_and_config(argv)
+    script_args, training_args, model_args = _parsed(argv, "trl-opd train")
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
     accelerator = train(script_args, training_args, model_args, recipe=recipe).accelerator
     end_processes(accelerator)
@@ -99,12 +97,11 @@ def train_main(argv: list[str]) -> None:
 def check_main(argv: list[str]) -> None:
     """`trl-opd check`: the preflight of a recipe; exit status 1 if the reference KL is not zero."""
     from .preflight import check
-    from .recipe import make_parser
 
     argv = _with_recipe_path(argv)
     if _cpu_process_group():
         argv = _with_configured_state(argv)
-    report = check(*make_parser("trl-opd check").parse_args_and_config(argv))
+    report = check(*_parsed(argv, "trl-opd check"))
     end_processes()
     sys.exit(0 if report["ok"] else 1)
 
@@ -129,6 +126,15 @@ def push_main(argv: list[str]) -> None:
     print(json.dumps({"pushed": args.output_dir, "to": url}))
 
 
+def _parsed(argv: list[str], prog: str) -> tuple:
+    """(script, training, model) arguments of a recipe and the options after it, each option's name checked first."""
+    from .recipe import check_option_names, make_parser
+
+    parser = make_parser(prog)
+    check_option_names(parser, argv)
+    return parser.parse_args_and_config(argv)
+
+
 def _with_recipe_path(argv: list[str]) -> list[str]:
     """`argv` whose `--config` names a file: a path as given, or a shipped recipe's name (`smoke_cpu`)."""
     if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
@@ -148,6 +154,7 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
     model after its local save. With `push_merged` the final push is the adapter merged into its base model instead.
     """
     from ..trainer.hub import push, pushing
+    from ..trainer.runs import RunFinished
     from .recipe import build_trainer
 
     repo_id = training_args.hub_model_id or Path(training_args.output_dir).absolute().name
@@ -163,7 +170,11 @@ def train(script_args: OPDScriptArguments, training_args: OPDConfig, model_args:
         )
     trainer = build_trainer(script_args, training_args, model_args)  # with push_to_hub: the repo, or an error now
     trainer.card_recipe, trainer.card_dataset = recipe, script_args.dataset_name
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except RunFinished as finished:
+        trainer.accelerator.print(str(finished))
+        return trainer
     if trainer.eval_dataset is not None:
         print_eval_summary(trainer)
     output_dir = training_args.output_dir

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,18 +87,87 @@ def make_parser(prog: str = "trl-opd train") -> TrlParser:
     return TrlParser((OPDScriptArguments, OPDConfig, ModelConfig), prog=prog)
 
 
+def check_option_names(parser: TrlParser, argv: list[str]) -> None:
+    """Every option a recipe (`--config`) or the command line names is one the parser knows; else exit 2 naming it,
+    with the nearest known name, before any option's value is read."""
+    import difflib
+
+    import yaml
+
+    known = {name.removeprefix("--") for action in parser._actions for name in action.option_strings}
+    named = [("the command line", token.removeprefix("--").split("=")[0]) for token in argv
+             if token.startswith("--") and token != "--config"]
+    if "--config" in argv and argv.index("--config") + 1 < len(argv):
+        recipe = argv[argv.index("--config") + 1]
+        config = yaml.safe_load(Path(recipe).read_text()) if Path(recipe).is_file() else None
+        named += [(f"recipe {recipe}", key) for key in (config if isinstance(config, dict) else {}) if key != "env"]
+    unknown = [(where, name) for where, name in named if name not in known]
+    if not unknown:
+        return
+    lines = []
+    for where, name in unknown:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        lines.append(f"{where}: unknown option {name!r}." + (f" Did you mean {close[0]!r}?" if close else ""))
+    lines.append(f"`{parser.prog} --help` lists the options.")
+    print("\n".join(lines), file=sys.stderr)
+    sys.exit(2)
+
+
 # where the CPU recipes expect their tiny models, and the command that builds them there
 _BUILDERS = {"artifacts/tiny_task": "make-tiny-task", "artifacts/tiny_agent": "make-tiny-agent"}
 
 
+# what the Hub accepts as a repo id: `name` or `org/name`
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def _meant_as_path(path: str) -> bool:
+    """A name that cannot be a Hub id, or whose first part is a folder here (`tiny/student` beside `tiny/`)."""
+    parts = Path(path).parts
+    return (path.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(path) or ".." in path
+            or (len(parts) > 1 and Path(parts[0]).is_dir()))
+
+
+def _nearest_existing(path: str) -> str | None:
+    """The existing path closest to a missing one: below its deepest existing folder, the entry nearest to the first
+    missing part, with the rest of the path where that exists too."""
+    import difflib
+
+    missing = Path(path).expanduser()
+    parent = missing.parent
+    while not parent.exists():
+        parent = parent.parent
+    step, rest = missing.parts[len(parent.parts)], missing.parts[len(parent.parts) + 1:]
+    close = difflib.get_close_matches(step, [entry.name for entry in parent.iterdir()], n=1, cutoff=0.6)
+    if not close:
+        return None
+    whole = parent.joinpath(close[0], *rest)
+    return str(whole if whole.exists() else parent / close[0])
+
+
 def _require_local_path(path: str | None, what: str) -> None:
-    """A path-looking model name that does not exist is a missing build step, not a Hub id: say so now."""
-    if path and (path.startswith((".", "/")) or path.startswith("artifacts/")) and not Path(path).exists():
-        builder = next((f"trl-opd {command} {directory}" for directory, command in _BUILDERS.items()
-                        if directory in path), "trl-opd make-tiny artifacts/tiny")
-        raise FileNotFoundError(
-            f"{what} {path!r} does not exist. For the CPU recipes, build the tiny models first: `{builder}`."
-        )
+    """A model or dataset named by a path that does not exist is a missing path or build step, not a Hub id: said
+    now, with the nearest existing path, before anything loads."""
+    if not path or "://" in path or Path(path).expanduser().exists():  # a server's URL is the served source's
+        return
+    if not _meant_as_path(path):
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise FileNotFoundError(
+                f"{what} {path!r} is neither a path here (relative paths are from {Path.cwd()}) nor, with "
+                "HF_HUB_OFFLINE set, a Hub model in the local cache. Give the model's folder (e.g. an absolute "
+                "path), or download it while online."
+            )
+        return
+    builder = next((f"trl-opd {command} {directory}" for directory, command in _BUILDERS.items()
+                    if directory in path), "trl-opd make-tiny artifacts/tiny" if "artifacts/" in path else None)
+    nearest = _nearest_existing(path)
+    raise FileNotFoundError(
+        f"{what} {path!r} does not exist (relative paths are from {Path.cwd()})."
+        + (f" Did you mean {nearest!r}?" if nearest else "")
+        + (f" For the CPU recipes, build the tiny models first: `{builder}`." if builder else "")
+    )
 
 
 def load_prompts(script_args: OPDScriptArguments, split: str, name: str | None = None, *,

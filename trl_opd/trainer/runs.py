@@ -3,8 +3,10 @@ and it stops, on every rank at once, at the first non-finite number rather than 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -28,9 +30,20 @@ def resume_or_claim(args, accelerator, model, resume_from_checkpoint, *, own: tu
     resume_from_checkpoint = resolve_resume(resume_from_checkpoint, args.output_dir)
     if resume_from_checkpoint is None:
         claim_output_dir(args, accelerator, own=own)
-    else:
-        check_resume_matches(resume_from_checkpoint, model)
+        return None
+    check_resume_matches(resume_from_checkpoint, model)
+    step = json.loads((Path(resume_from_checkpoint) / "trainer_state.json").read_text())["global_step"]
+    if 0 < args.max_steps <= step:
+        raise RunFinished(
+            f"Nothing to train: {resume_from_checkpoint} is at step {step}, and max_steps is {args.max_steps}. Raise "
+            f"max_steps to train on from it (e.g. --max_steps {2 * step}), or start a new run in another output_dir."
+        )
     return resume_from_checkpoint
+
+
+class RunFinished(ValueError):
+    """Resuming a run whose checkpoint is at max_steps already: the command line says so and exits 0, saving nothing
+    (the trainer's weights are not the checkpoint's)."""
 
 
 def check_finite_logps(teacher_logps, old_logps, mask, *, accelerator, step: int) -> None:
