@@ -210,7 +210,7 @@ def grpo_main(args) -> None:
             max_completion_length=recipe["max_completion_length"],
             max_tool_calling_iterations=recipe["max_tool_calling_iterations"], temperature=recipe["temperature"],
             learning_rate=recipe["learning_rate"], max_steps=args.max_steps or recipe["max_steps"], logging_steps=1,
-            save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
+            save_strategy="no", report_to="none", bf16=False, activation_checkpointing=False,
             disable_dropout=True, model_init_kwargs={"dtype": "float32"}),
     )
     trainer.train()

@@ -113,7 +113,7 @@ def opd_trainer(pair: dict, estimator: str, rows: int, tokens: int, output_dir: 
 
     config = OPDConfig(output_dir=str(output_dir), per_device_train_batch_size=rows, num_generations=1,
                        max_completion_length=tokens, opd_estimator=estimator, report_to="none", save_strategy="no",
-                       use_cpu=True, bf16=False, gradient_checkpointing=False, disable_dropout=True)
+                       use_cpu=True, bf16=False, activation_checkpointing=False, disable_dropout=True)
     trainer = OPDTrainer(model=str(pair["student"]), teacher_model=str(pair["teacher"]), args=config,
                          train_dataset=Dataset.from_list([{"prompt": "1 + 1 ="}]))
     trainer.model.train()
@@ -159,7 +159,7 @@ def trl_arm(pair: dict, rows: int, tokens: int, vocab_size: int, output_dir: Pat
 
     config = DistillationConfig(output_dir=str(output_dir), per_device_train_batch_size=rows,
                                 max_completion_length=tokens, beta=1.0, report_to="none", save_strategy="no",
-                                use_cpu=True, bf16=False, gradient_checkpointing=False)
+                                use_cpu=True, bf16=False, activation_checkpointing=False)
     trainer = DistillationTrainer(
         model=AutoModelForCausalLM.from_pretrained(pair["student"], dtype=torch.float32),
         teacher_model=AutoModelForCausalLM.from_pretrained(pair["teacher"], dtype=torch.float32),

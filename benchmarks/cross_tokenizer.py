@@ -103,7 +103,7 @@ def run_arm(pair: str, arm: str, args) -> dict:
         max_completion_length=settings["max_completion_length"], temperature=1.0, opd_estimator="sampled",
         teacher_tokenizer_mode=mode, teacher_cross_credit=credit, seed=args.seed, kl_discount_factor=args.kl_discount,
         logging_steps=max(args.steps // 4, 1), save_strategy="no",
-        report_to="none", bf16=False, gradient_checkpointing=False, disable_dropout=True, disable_tqdm=True,
+        report_to="none", bf16=False, activation_checkpointing=False, disable_dropout=True, disable_tqdm=True,
         overwrite_output_dir=True,
     )
     trainer = OPDTrainer(model=student, teacher_model=teacher, args=config, train_dataset=prompts,

@@ -84,7 +84,7 @@ def one_run(method: str, student: str, tiny: Path, seed: int, steps: int) -> dic
     prompts = load_dataset("json", data_files=str(tiny / "train.jsonl"), split="train")
     heldout = [json.loads(line)["prompt"] for line in open(tiny / "heldout.jsonl")][:32]
     common = dict(per_device_train_batch_size=16, max_completion_length=24, learning_rate=1e-3, max_steps=steps,
-                  logging_steps=steps, save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
+                  logging_steps=steps, save_strategy="no", report_to="none", bf16=False, activation_checkpointing=False,
                   seed=seed)
     with tempfile.TemporaryDirectory() as output_dir:
         if METHODS[method] is None:

@@ -300,7 +300,7 @@ def shared_settings(settings: dict, args, run_name: str) -> tuple[dict, dict]:
         per_device_train_batch_size=settings["batch_size"], gradient_accumulation_steps=1, num_generations=1,
         learning_rate=args.learning_rate, max_completion_length=settings["max_completion_length"], temperature=1.0,
         top_p=1.0, top_k=0, seed=args.seed, logging_steps=max(args.steps // 4, 1), save_strategy="no",
-        report_to="none", bf16=False, gradient_checkpointing=False, disable_dropout=True, disable_tqdm=True,
+        report_to="none", bf16=False, activation_checkpointing=False, disable_dropout=True, disable_tqdm=True,
     )
     return peft, common
 

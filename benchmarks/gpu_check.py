@@ -207,7 +207,7 @@ def recipe_args(pair: dict[str, Path], output_dir: Path, *, dry_run: bool, zero3
         "--learning_rate", "1e-4", "--logging_steps", "1", "--save_strategy", "no", "--save_final_model", "false",
         "--disable_tqdm", "true",
         "--report_to", "none", "--seed", "0", "--generation_kwargs", '{"do_sample": false}', *precision,
-        "--gradient_checkpointing", "true", "--disable_dropout", "true", *extra,
+        "--activation_checkpointing", "true", "--disable_dropout", "true", *extra,
     ]
 
 
@@ -409,7 +409,7 @@ def measure_cost(pair, work: Path, *, dry_run: bool) -> dict:
                                                       for key in ("prompt_ids", "completion_ids"))
     common = dict(output_dir=str(work / "runs" / "cost"), per_device_train_batch_size=micro,
                   max_completion_length=length, report_to="none", save_strategy="no", bf16=not dry_run,
-                  gradient_checkpointing=True, use_cpu=dry_run)
+                  activation_checkpointing=True, use_cpu=dry_run)
     dtype = torch.float32 if dry_run else torch.bfloat16
     result = {"rows": rows, "prompt_tokens": 16, "completion_tokens": length, "micro_batch": micro,
               "opd": opd_cost(pair, batch, common, dtype=dtype, micro=micro)}

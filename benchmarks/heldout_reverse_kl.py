@@ -32,7 +32,7 @@ def run(tiny: Path, *, seed: int, steps: int, eval_every: int, lora: bool, heldo
         args = OPDConfig(
             output_dir=output_dir, per_device_train_batch_size=16, num_generations=1, max_completion_length=24,
             learning_rate=3e-3 if lora else 1e-3, max_steps=steps, logging_steps=eval_every, save_strategy="no",
-            report_to="none", bf16=False, gradient_checkpointing=False, seed=seed, opd_estimator=estimator,
+            report_to="none", bf16=False, activation_checkpointing=False, seed=seed, opd_estimator=estimator,
         )
         trainer = OPDTrainer(
             model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), args=args,

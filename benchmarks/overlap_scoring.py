@@ -41,7 +41,7 @@ def run(tiny: Path, url: str, teacher, heldout: list, *, seed: int, steps: int, 
             output_dir=output_dir, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
             num_generations=1, max_completion_length=24,
             learning_rate=1e-3, max_steps=steps, logging_steps=steps, save_strategy="no", report_to="none",
-            bf16=False, gradient_checkpointing=False, seed=seed, opd_estimator="sampled", teacher_server_url=url,
+            bf16=False, activation_checkpointing=False, seed=seed, opd_estimator="sampled", teacher_server_url=url,
             opd_overlap_scoring=overlap,
         )
         # the prompts repeated so that one epoch spans the run: each epoch's first batch cannot be scored ahead (the

@@ -57,7 +57,7 @@ def train(args) -> dict:
         config = OPDConfig(output_dir=scratch, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
                            num_generations=1, max_completion_length=16, temperature=1.0, learning_rate=2e-4,
                            seed=args.seed, save_strategy="no", report_to="none", bf16=False,
-                           gradient_checkpointing=False, disable_dropout=True, logging_steps=1, disable_tqdm=True,
+                           activation_checkpointing=False, disable_dropout=True, logging_steps=1, disable_tqdm=True,
                            **source)
         trainer = OPDTrainer(model=student, train_dataset=prompts, args=config,
                              peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",

@@ -173,7 +173,7 @@ def trl_distillation_trainer(script_args, training_args, model_args):
 
     same = ("max_steps", "learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
             "max_completion_length", "temperature", "logging_steps", "lr_scheduler_type", "warmup_steps",
-            "weight_decay", "bf16", "gradient_checkpointing", "save_strategy", "report_to", "output_dir",
+            "weight_decay", "bf16", "activation_checkpointing", "save_strategy", "report_to", "output_dir",
             "disable_dropout")
     config = DistillationConfig(**{name: getattr(training_args, name) for name in same}, beta=1.0)
     dtype = getattr(torch, model_args.dtype) if model_args.dtype not in (None, "auto") else torch.float32

@@ -67,7 +67,7 @@ def make_config(tmp_path):
             save_strategy="no",
             report_to="none",
             bf16=False,
-            gradient_checkpointing=False,
+            activation_checkpointing=False,
             seed=0,
             opd_estimator="sampled",  # the tests of the other estimators ask for them
         )

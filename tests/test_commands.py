@@ -199,3 +199,27 @@ def test_resuming_a_finished_run_says_so_and_trains_and_saves_nothing(tiny, tmp_
     assert f"Nothing to train: {tmp_path / 'run' / 'checkpoint-1'} is at step 1, and max_steps is 1. Raise " \
            "max_steps to train on from it (e.g. --max_steps 2)" in out
     assert "Saved the trained" not in out and (adapter.stat().st_mtime_ns, adapter.read_bytes()) == saved
+
+
+def test_ctrl_c_names_the_intact_checkpoint_and_the_command_that_resumes(tiny, tmp_path):
+    import signal
+    import time
+
+    output_dir = tmp_path / "run"
+    options = ["--config", "smoke_cpu", "--model_name_or_path", str(tiny / "student"), "--teacher_model_name_or_path",
+               str(tiny / "teacher"), "--dataset_name", str(tiny / "train.jsonl"), "--output_dir", str(output_dir),
+               "--max_steps", "500", "--save_strategy", "steps", "--save_steps", "1",
+               "--per_device_train_batch_size", "4"]
+    process = subprocess.Popen([sys.executable, "-m", "trl_opd", *options], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 300
+    while not (output_dir / "checkpoint-2" / "trainer_state.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    last = next(line for line in err.splitlines() if line.startswith("Interrupted."))  # tqdm closes its bar after
+    assert last.startswith(f"Interrupted. {output_dir}/checkpoint-") and "is the last complete checkpoint; resume " \
+        f"with: trl-opd train --config smoke_cpu --model_name_or_path {tiny / 'student'}" in last
+    assert last.endswith("--per_device_train_batch_size 4 --resume_from_checkpoint true")
+    assert "Traceback" not in err

@@ -303,6 +303,8 @@ def test_a_dense_term_alone_needs_no_extra_student_forward_and_logs_the_same_met
                  "opd/teacher_entropy", "opd/action_token_fraction", "opd/reverse_kl_dense", "loss", "grad_norm",
                  "entropy"):
         assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), name
+    # an advantage 0 by construction (opd_coef 0) is not logged, where a 0 would read as a broken run
+    assert "opd/advantage_mean" not in a and "opd/advantage_mean" in b
 
 
 # ------------------------------------------------------------------------------------ temperatures and logit transforms

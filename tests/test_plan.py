@@ -70,3 +70,12 @@ def test_the_plan_describes_every_decision_on_its_own_line(make_config, tiny):
     lines = plan.describe().splitlines()
     assert [line.split()[0] for line in lines] == list(vars(plan))
     assert lines[0].split() == ["teacher_source", "local"]
+
+
+def test_the_advantage_is_zero_by_construction_only_without_opd_coef_and_summed_reward_advantages(make_config, tiny):
+    teacher = {"teacher_model_name_or_path": str(tiny / "teacher")}
+    assert _plan(make_config, **teacher).advantage_zero  # 'full' alone: opd_coef 0
+    assert not _plan(make_config, opd_coef=0.5, **teacher).advantage_zero
+    assert not _plan(make_config, rewards=True, opd_reward_combination="advantage", **teacher).advantage_zero
+    assert _plan(make_config, rewards=True, opd_reward_combination="loss", **teacher).advantage_zero
+    assert not _plan(make_config, opd_estimator="sampled", **teacher).advantage_zero  # opd_coef 1

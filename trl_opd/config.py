@@ -46,6 +46,13 @@ class OPDConfig(GRPOConfig):
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs", "teachers",
                                                           "teacher_tokenizer_name_or_path"]
 
+    # TRL's default (checkpointing on) is set under transformers' current name in `__post_init__`, so that no run
+    # warns of a deprecated option it never set; `gradient_checkpointing`, when set, is honoured (and warned of)
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers 5); unset, checkpointing is "
+                          "on, as in TRL."},
+    )
     teacher_model_name_or_path: str | None = field(
         default=None,
         metadata={
@@ -380,6 +387,8 @@ class OPDConfig(GRPOConfig):
         return masked(super().to_dict())
 
     def __post_init__(self):
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default
         if self.num_generations == 1:
             self.num_generations = _UngroupedOne(1)
         try:

@@ -84,14 +84,35 @@ def _unknown(name: str) -> int:
 
 def train_main(argv: list[str]) -> None:
     """`trl-opd train`: parse the recipe and the options after it, train, save (and push)."""
+    given = list(argv)  # as the user wrote them, for the command that resumes
     argv = _with_recipe_path(argv)
     if _cpu_process_group():
         # the arguments must take the process group just set up rather than build their own
         argv = _with_configured_state(argv)
     script_args, training_args, model_args = _parsed(argv, "trl-opd train")
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
-    accelerator = train(script_args, training_args, model_args, recipe=recipe).accelerator
+    try:
+        accelerator = train(script_args, training_args, model_args, recipe=recipe).accelerator
+    except KeyboardInterrupt:
+        sys.exit(_interrupted(given, training_args.output_dir))
     end_processes(accelerator)
+
+
+def _interrupted(argv: list[str], output_dir: str) -> int:
+    """Ctrl-C: one line saying which checkpoint is intact and the command that resumes from it; exit status 130."""
+    import shlex
+
+    from accelerate import PartialState
+
+    from ..trainer.checkpoints import last_complete_checkpoint
+
+    if PartialState().is_main_process:
+        checkpoint = last_complete_checkpoint(output_dir)
+        resume = shlex.join(["trl-opd", "train", *argv, "--resume_from_checkpoint", "true"])
+        print(f"Interrupted. {checkpoint} is the last complete checkpoint; resume with: {resume}" if checkpoint else
+              f"Interrupted. No complete checkpoint in {output_dir} to resume from (save_strategy saves them).",
+              file=sys.stderr)
+    return 130
 
 
 def check_main(argv: list[str]) -> None:

@@ -128,7 +128,7 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
     heldout = heldout[:eval_prompts]
     common = dict(max_steps=steps, learning_rate=learning_rate, per_device_train_batch_size=batch_size, seed=seed,
                   logging_steps=eval_every, save_strategy="no", report_to="none",
-                  gradient_checkpointing=False, disable_tqdm=True, bf16=dtype == "bfloat16")
+                  activation_checkpointing=False, disable_tqdm=True, bf16=dtype == "bfloat16")
     generation = dict(max_completion_length=max_completion_length, temperature=1.0)
     counter, teacher_seconds = _GeneratedTokens(student, tokenizer.pad_token_id), 0.0
     generated_tokens = lambda step: counter.total  # noqa: E731 (the student's samples so far; SFT's is below)

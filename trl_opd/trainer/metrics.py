@@ -73,8 +73,10 @@ class OPDMetrics:
     completions table (`_logs`), both held by reference. Batches whose advantages the loss forward forms, and dense
     terms, are logged once per generation batch as their token means over it, summed over its micro-batches."""
 
-    def __init__(self, store: dict, table: dict, accelerator, callbacks: Callable[[], list]):
+    def __init__(self, store: dict, table: dict, accelerator, callbacks: Callable[[], list], *,
+                 log_advantage: bool = True):
         self.store, self.table, self.accelerator = store, table, accelerator
+        self.log_advantage = log_advantage  # False where it is 0 by construction (`OPDPlan.advantage_zero`)
         self._callbacks = callbacks  # the Trainer's, where the completion token count lives
         self._window_tokens = 0
         self._window_start: float | None = None
@@ -156,7 +158,7 @@ class OPDMetrics:
         sums = opd_metric_sums(
             teacher_per_token_logps=scores.logps,
             old_per_token_logps=old_per_token_logps,
-            advantages=advantages,
+            advantages=advantages if self.log_advantage else None,  # None: the metric is not logged
             mask=mask,
             teacher_is_top1=scores.is_top1,
             teacher_entropy=scores.entropy,

@@ -190,7 +190,8 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         self.teacher_model = self.teacher_models.get("teacher")  # a single local teacher
         self.add_callback(CompletionTokenCount())
         self.opd_metrics = OPDMetrics(self._metrics, self._logs, self.accelerator,
-                                      callbacks=lambda: self.callback_handler.callbacks)
+                                      callbacks=lambda: self.callback_handler.callbacks,
+                                      log_advantage=not self.plan.advantage_zero)
         self.dense = DenseTerm(self.teacher, beta=args.opd_divergence_beta, metrics=self.opd_metrics,
                                is_student_parameter=self._is_student_parameter)
         self.overlap = None  # `opd_overlap_scoring`: the next batch generated and scored during this one's update
@@ -448,7 +449,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
 
     def _no_grad_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None) -> torch.Tensor:
         """Per-token log-probs of the last `logits_to_keep` tokens under `model`, without gradient, (B, T)."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.activation_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep,
                 batch_size=batch_size or self.args.per_device_train_batch_size,
