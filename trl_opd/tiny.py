@@ -162,15 +162,18 @@ def build_model(tokenizer, *, hidden_size: int = 64, num_layers: int = 2, vocab_
     return model
 
 
-def train_on_answers(model, tokenizer, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3, seed: int = 0):
-    """Plain next-token training on chat-formatted question/answer pairs (a few seconds for a tiny model)."""
+def train_on_answers(model, tokenizer, *, steps: int = 300, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
+                     desc: str | None = None):
+    """Plain next-token training on chat-formatted question/answer pairs (seconds to a minute for a tiny model), with
+    a progress bar named `desc` if given."""
     import torch
+    from tqdm.auto import tqdm
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc=desc, disable=desc is None):
         texts = []
         for _ in range(batch_size):
             question, answer = arithmetic_prompt(rng)
@@ -206,7 +209,7 @@ def make_tiny(output_dir: str | Path, *, overwrite: bool = False) -> Path:
     # The student is "pretrained" briefly (so a LoRA adapter can move it), the teacher for ten times longer
     for name, hidden_size, steps, seed in (("student", 64, 30, 0), ("teacher", 96, 300, 1)):
         model = build_model(tokenizer, hidden_size=hidden_size, seed=seed)
-        train_on_answers(model, tokenizer, steps=steps, seed=seed)
+        train_on_answers(model, tokenizer, steps=steps, seed=seed, desc=f"make-tiny: the {name} learns sums")
         model.save_pretrained(output_dir / name)
         tokenizer.save_pretrained(output_dir / name)
     write_prompts(output_dir / "train.jsonl", 512, seed=1)
