@@ -170,8 +170,8 @@ def test_a_missing_model_path_is_named_with_the_nearest_one_that_exists(tiny, tm
 
 
 @pytest.mark.parametrize("options, message", [
-    ({}, r"bf16 is on \(GRPOConfig's default when unset\) and this machine has no GPU with bfloat16 .* Set "
-         r"`bf16: false` in the recipe"),
+    ({}, r"bf16 is on \(as set, or GRPOConfig's default when unset\), and this machine has no GPU with bfloat16 "
+         r".* Set `bf16: false` in the recipe"),
     ({"bf16": False, "fp16": True}, r"fp16 mixed precision needs a GPU, and this machine has none\. Set `fp16: false`"),
     ({"bf16": False, "use_liger_kernel": True}, r"use_liger_kernel is not supported: .* Remove it\."),
 ])

@@ -59,7 +59,7 @@ def test_the_flagship_recipe_fails_fast_and_clearly_without_a_gpu_or_the_hub():
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     check = [sys.executable, "-m", "trl_opd", "check", "--config", str(ROOT / "recipes" / "opd.yaml")]
-    for extra, message in (([], "doesn't support bf16/gpu"),
+    for extra, message in (([], "this machine has no GPU with bfloat16 (Ampere or later). Set `bf16: false`"),
                            (["--use_cpu", "true"], "Couldn't reach 'zwhe99/DeepMath-103K' on the Hub")):
         result = subprocess.run([*check, *extra], capture_output=True, text=True, timeout=120, env=env)
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]

@@ -167,7 +167,7 @@ def test_ema_teacher_is_saved_with_each_checkpoint_and_restored_on_resume(tiny, 
         torch.testing.assert_close(teacher.detach(), average, rtol=1e-6, atol=1e-6 * average.abs().max().item())
     Path(checkpoint, EMA_WEIGHTS).unlink()
     with pytest.raises(ValueError, match=f"has no {EMA_WEIGHTS}"):
-        run(overwrite_output_dir=False).train(resume_from_checkpoint=checkpoint)
+        run(overwrite_output_dir=False, max_steps=3).train(resume_from_checkpoint=checkpoint)
 
 
 def test_an_ema_run_resumed_with_resume_from_checkpoint_true_restores_its_teacher(tiny, prompts, make_config):

@@ -396,9 +396,9 @@ class OPDConfig(GRPOConfig):
         except ValueError as error:
             if "doesn't support bf16" in str(error):  # transformers' advice (use_cpu) is not the fix here
                 raise ValueError(
-                    "bf16 is on (GRPOConfig's default when unset) and this machine has no GPU with bfloat16 "
-                    "(Ampere or later). Set `bf16: false` in the recipe, `--bf16 false` on the command line, or "
-                    "OPDConfig(bf16=False)."
+                    "bf16 is on (as set, or GRPOConfig's default when unset), and this machine has no GPU with "
+                    "bfloat16 (Ampere or later). Set `bf16: false` in the recipe, `--bf16 false` on the command "
+                    "line, or OPDConfig(bf16=False)."
                 ) from None
             raise
         finally:

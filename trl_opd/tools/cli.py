@@ -85,6 +85,10 @@ def _unknown(name: str) -> int:
 def train_main(argv: list[str]) -> None:
     """`trl-opd train`: parse the recipe and the options after it, train, save (and push)."""
     given = list(argv)  # as the user wrote them, for the command that resumes
+    # TRL (and with it DeepSpeed) imported before the CPU process group is set up, as `end_processes` expects: a
+    # group made first leaves gloo's threads running at exit under ZeRO-3 (tests/test_distributed.py's exit probe)
+    from .recipe import make_parser  # noqa: F401
+
     argv = _with_recipe_path(argv)
     if _cpu_process_group():
         # the arguments must take the process group just set up rather than build their own
@@ -117,7 +121,7 @@ def _interrupted(argv: list[str], output_dir: str) -> int:
 
 def check_main(argv: list[str]) -> None:
     """`trl-opd check`: the preflight of a recipe; exit status 1 if the reference KL is not zero."""
-    from .preflight import check
+    from .preflight import check  # TRL imported before the process group is set up, as in `train_main`
 
     argv = _with_recipe_path(argv)
     if _cpu_process_group():
