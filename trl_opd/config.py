@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from .config_checks import (
@@ -19,6 +20,12 @@ from .config_checks import (
 )
 from .secrets import masked
 from .teachers.vllm_server import is_served
+
+# transformers 5 renamed `gradient_checkpointing` to `activation_checkpointing`; vLLM's CPU build pins one from before.
+# OPDConfig takes the new name under either; other configs take `{ACTIVATION_CHECKPOINTING: ...}`.
+_TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+ACTIVATION_CHECKPOINTING = "activation_checkpointing" if _TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING \
+    else "gradient_checkpointing"
 
 
 class _UngroupedOne(int):
@@ -53,6 +60,11 @@ class OPDConfig(GRPOConfig):
         metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers 5); unset, checkpointing is "
                           "on, as in TRL."},
     )
+    if not _TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING:  # so recipes read the same under an older transformers
+        activation_checkpointing: bool | None = field(
+            default=None,
+            metadata={"help": "Checkpoint activations in the backward pass (on by default, as in TRL)."},
+        )
     teacher_model_name_or_path: str | None = field(
         default=None,
         metadata={
@@ -387,7 +399,11 @@ class OPDConfig(GRPOConfig):
         return masked(super().to_dict())
 
     def __post_init__(self):
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+        if not _TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING:  # an older transformers reads only the old name
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = self.activation_checkpointing is not False  # TRL's default: on
+            self.activation_checkpointing = self.gradient_checkpointing
+        elif self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default
         if self.num_generations == 1:
             self.num_generations = _UngroupedOne(1)

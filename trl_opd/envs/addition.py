@@ -82,6 +82,8 @@ def sft(model, tokenizer, dataset, *, steps: int, lr: float, seed: int, batch_si
     import torch
     from trl import SFTConfig, SFTTrainer
 
+    from ..config import ACTIVATION_CHECKPOINTING
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -90,7 +92,7 @@ def sft(model, tokenizer, dataset, *, steps: int, lr: float, seed: int, batch_si
                 output_dir=output_dir or scratch, max_steps=steps, per_device_train_batch_size=batch_size,
                 learning_rate=lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.01, seed=seed,
                 logging_steps=max(steps // 5, 1), save_strategy="no", report_to="none", bf16=False,
-                activation_checkpointing=False, disable_tqdm=False, dataloader_num_workers=0,
+                **{ACTIVATION_CHECKPOINTING: False}, disable_tqdm=False, dataloader_num_workers=0,
             )
             trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
             trainer.train()

@@ -111,6 +111,8 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.rewards import accuracy_reward
 
+    from ..config import ACTIVATION_CHECKPOINTING
+
     accuracy_func = accuracy_func or accuracy_reward
     peft = {}
     if lora_r:
@@ -128,7 +130,7 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
     heldout = heldout[:eval_prompts]
     common = dict(max_steps=steps, learning_rate=learning_rate, per_device_train_batch_size=batch_size, seed=seed,
                   logging_steps=eval_every, save_strategy="no", report_to="none",
-                  activation_checkpointing=False, disable_tqdm=True, bf16=dtype == "bfloat16")
+                  **{ACTIVATION_CHECKPOINTING: False}, disable_tqdm=True, bf16=dtype == "bfloat16")
     generation = dict(max_completion_length=max_completion_length, temperature=1.0)
     counter, teacher_seconds = _GeneratedTokens(student, tokenizer.pad_token_id), 0.0
     generated_tokens = lambda step: counter.total  # noqa: E731 (the student's samples so far; SFT's is below)

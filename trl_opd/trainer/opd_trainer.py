@@ -449,7 +449,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
 
     def _no_grad_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None) -> torch.Tensor:
         """Per-token log-probs of the last `logits_to_keep` tokens under `model`, without gradient, (B, T)."""
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.activation_checkpointing_kwargs):
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep,
                 batch_size=batch_size or self.args.per_device_train_batch_size,
