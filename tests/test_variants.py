@@ -95,8 +95,13 @@ def test_adapter_teacher_scores_like_the_merged_expert(tiny, prompts, make_confi
 def test_adapter_teacher_errors(tiny, prompts, make_config, teacher_adapter, tmp_path):
     missing = make_config(teacher_model_name_or_path=str(tiny / "student"),
                           teacher_adapter_name_or_path=str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
+    with pytest.raises(FileNotFoundError, match=r"teacher_adapter_name_or_path '.*nowhere' does not exist"):
         OPDTrainer(model=str(tiny / "student"), args=missing, train_dataset=prompts)
+    (tmp_path / "empty").mkdir()
+    not_an_adapter = make_config(teacher_model_name_or_path=str(tiny / "student"),
+                                 teacher_adapter_name_or_path=str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
+        OPDTrainer(model=str(tiny / "student"), args=not_an_adapter, train_dataset=prompts)
     other_base = make_config(teacher_model_name_or_path=str(tiny / "teacher"),
                              teacher_adapter_name_or_path=str(teacher_adapter))
     with pytest.raises(ValueError, match=r"was trained on .*student.* but the teacher base model is .*teacher"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .config_checks import check_run_options
@@ -148,6 +149,63 @@ def check_routes(datasets, args) -> None:
             )
 
 
+# where a missing path is a build step not yet run: the command that builds it
+_BUILDERS = {"artifacts/tiny_task": "make-tiny-task", "artifacts/tiny_agent": "make-tiny-agent"}
+
+
+# what the Hub accepts as a repo id: `name` or `org/name`
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def _meant_as_path(path: str) -> bool:
+    """A name that cannot be a Hub id, or whose first part is a folder here (`tiny/student` beside `tiny/`)."""
+    parts = Path(path).parts
+    return (path.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(path) or ".." in path
+            or (len(parts) > 1 and Path(parts[0]).is_dir()))
+
+
+def _nearest_existing(path: str) -> str | None:
+    """The existing path closest to a missing one: below its deepest existing folder, the entry nearest to the first
+    missing part, with the rest of the path where that exists too."""
+    import difflib
+
+    missing = Path(path).expanduser()
+    parent = missing.parent
+    while not parent.exists():
+        parent = parent.parent
+    step, rest = missing.parts[len(parent.parts)], missing.parts[len(parent.parts) + 1:]
+    close = difflib.get_close_matches(step, [entry.name for entry in parent.iterdir()], n=1, cutoff=0.6)
+    if not close:
+        return None
+    whole = parent.joinpath(close[0], *rest)
+    return str(whole if whole.exists() else parent / close[0])
+
+
+def check_local_path(path, what: str) -> None:
+    """A model or dataset named by a path that does not exist is a missing path or build step, not a Hub id: said
+    now, with the nearest existing path, before anything loads. Models given as objects, and server URLs, pass."""
+    if not isinstance(path, str) or not path or "://" in path or Path(path).expanduser().exists():  # a URL: served
+        return
+    if not _meant_as_path(path):
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise FileNotFoundError(
+                f"{what} {path!r} is neither a path here (relative paths are from {Path.cwd()}) nor, with "
+                "HF_HUB_OFFLINE set, a Hub model in the local cache. Give the model's folder (e.g. an absolute "
+                "path), or download it while online."
+            )
+        return
+    builder = next((f"trl-opd {command} {directory}" for directory, command in _BUILDERS.items()
+                    if directory in path), "trl-opd make-tiny artifacts/tiny" if "artifacts/" in path else None)
+    nearest = _nearest_existing(path)
+    raise FileNotFoundError(
+        f"{what} {path!r} does not exist (relative paths are from {Path.cwd()})."
+        + (f" Did you mean {nearest!r}?" if nearest else "")
+        + (f" For the CPU recipes, build the tiny models first: `{builder}`." if builder else "")
+    )
+
+
 def check_weight_files(path, *, role: str) -> None:
     """A local model or adapter directory's weight files must be whole: each safetensors header is read (not the
     weights), so an empty or truncated file is named before loading starts."""
@@ -181,10 +239,15 @@ def check_weight_files(path, *, role: str) -> None:
 def check_model_files(model, teacher_model, args) -> None:
     """`check_weight_files` on every local model directory the configuration names: the student, its teachers and
     the teacher's adapter."""
+    check_local_path(model, "model")
     check_weight_files(model, role="student")
     teachers = args.teachers or {"teacher": teacher_model or args.teacher_model_name_or_path}
     for name, source in teachers.items():
-        check_weight_files(source, role=f"teacher {name!r}" if args.teachers else "teacher")
+        role = f"teacher {name!r}" if args.teachers else "teacher"
+        check_local_path(source, role if args.teachers else "teacher_model" if teacher_model
+                         else "teacher_model_name_or_path")
+        check_weight_files(source, role=role)
+    check_local_path(args.teacher_adapter_name_or_path, "teacher_adapter_name_or_path")
     check_weight_files(args.teacher_adapter_name_or_path, role="teacher adapter")
 
 

@@ -7,13 +7,13 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from ..checks import check_local_path
 from ..config import OPDConfig
 from ..prompts import with_system_message
 
@@ -114,62 +114,6 @@ def check_option_names(parser: TrlParser, argv: list[str]) -> None:
 
 
 # where the CPU recipes expect their tiny models, and the command that builds them there
-_BUILDERS = {"artifacts/tiny_task": "make-tiny-task", "artifacts/tiny_agent": "make-tiny-agent"}
-
-
-# what the Hub accepts as a repo id: `name` or `org/name`
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
-
-
-def _meant_as_path(path: str) -> bool:
-    """A name that cannot be a Hub id, or whose first part is a folder here (`tiny/student` beside `tiny/`)."""
-    parts = Path(path).parts
-    return (path.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(path) or ".." in path
-            or (len(parts) > 1 and Path(parts[0]).is_dir()))
-
-
-def _nearest_existing(path: str) -> str | None:
-    """The existing path closest to a missing one: below its deepest existing folder, the entry nearest to the first
-    missing part, with the rest of the path where that exists too."""
-    import difflib
-
-    missing = Path(path).expanduser()
-    parent = missing.parent
-    while not parent.exists():
-        parent = parent.parent
-    step, rest = missing.parts[len(parent.parts)], missing.parts[len(parent.parts) + 1:]
-    close = difflib.get_close_matches(step, [entry.name for entry in parent.iterdir()], n=1, cutoff=0.6)
-    if not close:
-        return None
-    whole = parent.joinpath(close[0], *rest)
-    return str(whole if whole.exists() else parent / close[0])
-
-
-def _require_local_path(path: str | None, what: str) -> None:
-    """A model or dataset named by a path that does not exist is a missing path or build step, not a Hub id: said
-    now, with the nearest existing path, before anything loads."""
-    if not path or "://" in path or Path(path).expanduser().exists():  # a server's URL is the served source's
-        return
-    if not _meant_as_path(path):
-        from huggingface_hub import constants, try_to_load_from_cache
-
-        if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
-            raise FileNotFoundError(
-                f"{what} {path!r} is neither a path here (relative paths are from {Path.cwd()}) nor, with "
-                "HF_HUB_OFFLINE set, a Hub model in the local cache. Give the model's folder (e.g. an absolute "
-                "path), or download it while online."
-            )
-        return
-    builder = next((f"trl-opd {command} {directory}" for directory, command in _BUILDERS.items()
-                    if directory in path), "trl-opd make-tiny artifacts/tiny" if "artifacts/" in path else None)
-    nearest = _nearest_existing(path)
-    raise FileNotFoundError(
-        f"{what} {path!r} does not exist (relative paths are from {Path.cwd()})."
-        + (f" Did you mean {nearest!r}?" if nearest else "")
-        + (f" For the CPU recipes, build the tiny models first: `{builder}`." if builder else "")
-    )
-
-
 def load_prompts(script_args: OPDScriptArguments, split: str, name: str | None = None, *,
                  teacher_prompt_column: str | None = None):
     """Load one split of `name` (default: the recipe's dataset_name) and bring it to the trainer's format: a
@@ -182,7 +126,7 @@ def load_prompts(script_args: OPDScriptArguments, split: str, name: str | None =
         raise ValueError("The recipe sets no dataset_name (a Hub dataset id, a saved dataset directory or a file).")
     suffix = Path(name).suffix
     if suffix in _LOCAL_DATA_FORMATS:
-        _require_local_path(name if name.startswith((".", "/", "artifacts/")) else f"./{name}", "dataset_name")
+        check_local_path(name if name.startswith((".", "/", "artifacts/")) else f"./{name}", "dataset_name")
         try:
             dataset = load_dataset(_LOCAL_DATA_FORMATS[suffix], data_files={split: name}, split=split)
         except StopIteration:  # what the json loader raises on a file without rows
@@ -268,8 +212,8 @@ def build_trainer(script_args: OPDScriptArguments, training_args: OPDConfig, mod
     training_args.teacher_model_name_or_path = resolve_model(training_args.teacher_model_name_or_path)
     if isinstance(training_args.teacher_tokenizer_name_or_path, str):
         training_args.teacher_tokenizer_name_or_path = resolve_model(training_args.teacher_tokenizer_name_or_path)
-    _require_local_path(model_args.model_name_or_path, "model_name_or_path")
-    _require_local_path(training_args.teacher_model_name_or_path, "teacher_model_name_or_path")
+    check_local_path(model_args.model_name_or_path, "model_name_or_path")
+    check_local_path(training_args.teacher_model_name_or_path, "teacher_model_name_or_path")
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "attn_implementation": model_args.attn_implementation,
