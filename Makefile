@@ -39,7 +39,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/trl-opd make-tiny-task artifacts/tiny_task
 	$(VENV)/bin/accelerate launch --config_file recipes/accelerate/cpu.yaml -m trl_opd --config recipes/addition_cpu.yaml
-	$(PY) benchmarks/demo_seeds.py --compare outputs/addition
+	$(VENV)/bin/trl-opd compare-demo outputs/addition
 
 # Real pretrained models (SmolLM2-135M-Instruct, Qwen2.5-Coder 0.5B/1.5B-Instruct) for the real-model tests and
 # benchmarks, built once into a cache by the machine's script (about 3.5 minutes and 1.7 GB the first time). The

@@ -34,33 +34,17 @@ def _fmt(value, spec: str, missing: str = "not reached") -> str:
     return missing if value is None else format(value, spec)
 
 
-def by_rate(runs: list[dict]) -> dict[tuple[str, float], dict]:
-    """`summarize` per (method, learning rate): the whole sweep."""
-    from trl_opd.tools.comparison import summarize
-
-    return summarize([{**run, "method": (run["method"], run["learning_rate"])} for run in runs], target=1.0)
-
-
-def best_rates(sweep: dict[tuple[str, float], dict]) -> dict[str, float]:
-    """Per method, the learning rate with the best mean final held-out accuracy over seeds (then the lower KL)."""
-    best = {}
-    for (method, rate), row in sweep.items():
-        score = (row["accuracy"], -row["reverse_kl"])
-        if method not in best or score > best[method][0]:
-            best[method] = (score, rate)
-    return {method: rate for method, (_, rate) in best.items()}
-
-
 def print_tables(runs: list[dict], *, target: float, teacher_accuracy: float, args) -> None:
-    from trl_opd.tools.comparison import describe_machine, summarize
+    from trl_opd.tools.comparison import best_learning_rates, describe_machine, summarize
 
-    sweep = by_rate(runs)
-    rates = best_rates(sweep)
+    rates = best_learning_rates(runs)
     chosen = [run for run in runs if run["learning_rate"] == rates[run["method"]]]
+    sweep = summarize([{**run, "method": (run["method"], run["learning_rate"])} for run in runs], target=1.0)
     table, halfway = summarize(chosen, target=target), summarize(chosen, target=0.5)
     reference = table.get("trl-distillation")
     seeds = sorted({run["seed"] for run in runs})
-    print(f"\n{args.steps} steps x 32 completions, each method at its best learning rate of the sweep below, full "
+    steps = "/".join(str(steps) for steps in sorted({run["steps"] for run in runs}))  # --from-json: the runs' steps
+    print(f"\n{steps} steps x 32 completions, each method at its best learning rate of the sweep below, full "
           f"fine-tuning, mean (range) over seeds {seeds}; teacher held-out accuracy {teacher_accuracy:.0%}, target "
           f"{target:.0%}; {describe_machine()}, {time.strftime('%Y-%m-%d')}\n")
     print("| method | learning rate | held-out accuracy before -> after | held-out KL before -> after | generated "
@@ -158,12 +142,10 @@ def main() -> None:
                         Path(args.json).write_text(json.dumps(runs, indent=1))
     print_tables(runs, target=target, teacher_accuracy=teacher_accuracy, args=args)
     if args.plot:
-        from trl_opd.tools.comparison import plot_comparison
+        from trl_opd.tools.comparison import at_best_rate, plot_comparison
 
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        rates = best_rates(by_rate(runs))
-        plot_comparison([run for run in runs if run["learning_rate"] == rates[run["method"]]], target=target,
-                        path=args.plot)
+        plot_comparison(at_best_rate(runs), target=target, path=args.plot)
         print(f"\nplot: {args.plot}")
 
 

@@ -6,15 +6,16 @@ in its own process as `make demo` runs it (only the paths and the seed overridde
 Varying both stands in for what differs between machines of this kind: torch picks different kernels on different
 CPUs, so a trajectory on one CPU is, in effect, another seed's trajectory on another.
 
-    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4 --json benchmarks/results/demo_seeds.json
-    .venv/bin/python benchmarks/demo_seeds.py --compare outputs/addition   # how one run compares (`make demo`)
+    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4   # writes trl_opd/recipes/addition_cpu.seeds.json
+    .venv/bin/python benchmarks/demo_seeds.py --from-json          # its table
+
+`trl-opd compare-demo outputs/addition` (`make demo`'s last step) compares one run with the sweep the package ships.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -22,10 +23,9 @@ from pathlib import Path
 
 import yaml
 
+from trl_opd.tools.demo import METRICS, SWEEP, spread
+
 RECIPE = Path("recipes/addition_cpu.yaml")
-SWEEP = Path("benchmarks/results/demo_seeds.json")
-# accuracy, and the reverse KL on the student's held-out samples (logged whatever the recipe's divergence)
-METRICS = {"accuracy": ("held-out accuracy", ".4f"), "reverse_kl_sampled": ("held-out reverse KL", ".4f")}
 
 
 def run_seed(seed: int, workdir: Path) -> dict:
@@ -47,11 +47,6 @@ def run_seed(seed: int, workdir: Path) -> dict:
             **{name: curve[-1][name] for name in METRICS}}
 
 
-def spread(runs: list[dict], name: str) -> tuple[float, float, float]:
-    values = [run[name] for run in runs]
-    return statistics.mean(values), min(values), max(values)
-
-
 def print_table(sweep: dict) -> None:
     runs = sweep["runs"]
     print(f"\n`make demo` ({sweep['recipe']}, {runs[0]['steps']} steps) over seeds {[run['seed'] for run in runs]}; "
@@ -69,33 +64,14 @@ def print_table(sweep: dict) -> None:
     print()
 
 
-def compare(output_dir: Path, sweep: dict) -> str:
-    """One line per metric: the run's final value against the range of the seed sweep (inside, above, below)."""
-    final = json.loads((output_dir / "heldout_curve.json").read_text())[-1]
-    runs = sweep["runs"]
-    lines = []
-    for name, (label, spec) in METRICS.items():
-        mean, low, high = spread(runs, name)
-        value = final[name]
-        where = "inside" if low <= value <= high else "above" if value > high else "below"
-        lines.append(f"{label} {value:{spec}}: {where} the range measured for `make demo` over {len(runs)} seeds "
-                     f"({low:{spec}}-{high:{spec}}, mean {mean:{spec}}; {sweep['machine']}, {sweep['date']})")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--workdir", type=Path, default=Path("artifacts/demo_seeds"))
-    parser.add_argument("--json", type=Path, default=SWEEP, help="where the sweep is written (or read, --compare)")
-    parser.add_argument("--compare", type=Path, metavar="OUTPUT_DIR",
-                        help="compare the held-out curve a demo run saved in OUTPUT_DIR with the sweep in --json")
+    parser.add_argument("--json", type=Path, default=SWEEP, help="where the sweep is written (or read)")
     parser.add_argument("--from-json", action="store_true", help="print the table of the sweep in --json")
     args = parser.parse_args()
 
-    if args.compare:
-        print(compare(args.compare, json.loads(args.json.read_text())))
-        return
     if not args.from_json:
         from trl_opd.tools.comparison import describe_machine
 

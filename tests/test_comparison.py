@@ -3,7 +3,7 @@ evaluation's own samples), and the same held-out evaluation at the same steps.""
 
 import pytest
 
-from trl_opd.tools.comparison import METHODS, run_method, summarize, task_inputs
+from trl_opd.tools.comparison import METHODS, at_best_rate, best_learning_rates, run_method, summarize, task_inputs
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +43,18 @@ def test_summary_finds_when_a_run_first_reaches_the_target():
     assert (row["accuracy_before"], row["accuracy"], row["reverse_kl"]) == (0.1, 0.9, 0.2)
     both = summarize(runs, target=0.9)["a"]  # one seed never reaches it: no mean over the ones that did
     assert (both["reached"], both["tokens_to_target"], both["seconds_per_step"]) == (1, None, pytest.approx(0.2))
+
+
+def test_each_method_is_reported_at_the_rate_with_its_best_mean_final_accuracy_then_its_lower_kl():
+    def run(method, rate, seed, accuracy, reverse_kl):
+        history = [{"step": 0, "generated_tokens": 0, "train_seconds": 0.0, "accuracy": 0.0, "reverse_kl_exact": 2.0},
+                   {"step": 1, "generated_tokens": 9, "train_seconds": 1.0, "accuracy": accuracy,
+                    "reverse_kl_exact": reverse_kl}]
+        return {"method": method, "learning_rate": rate, "seed": seed, "history": history, "seconds_per_step": 1.0}
+
+    runs = [run("a", 1e-3, 0, 0.9, 0.1), run("a", 1e-3, 1, 0.1, 0.1),  # mean 0.5, though one seed is the best run
+            run("a", 3e-3, 0, 0.6, 0.3), run("a", 3e-3, 1, 0.6, 0.3),  # mean 0.6: the best rate
+            run("b", 1e-3, 0, 0.5, 0.2), run("b", 3e-3, 0, 0.5, 0.1)]  # a tie on accuracy: the lower KL
+    assert best_learning_rates(runs) == {"a": 3e-3, "b": 3e-3}
+    assert at_best_rate(runs) == [runs[2], runs[3], runs[5]]
+    assert summarize(at_best_rate(runs), target=1.0)["a"]["accuracy"] == pytest.approx(0.6)

@@ -1,7 +1,6 @@
 """The offline addition task: right worked answers, a held-out split no training set touches, a real teacher/student
 gap, and the demo recipe's held-out evaluation during training."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -163,9 +162,7 @@ def test_the_curve_keeps_whichever_divergence_the_run_logged(tmp_path):
 
 def test_demo_says_where_its_result_falls_in_the_measured_range(tmp_path):
     """`make demo` ends with its held-out numbers against the seed sweep's range; the README states that range."""
-    spec = importlib.util.spec_from_file_location("demo_seeds", ROOT / "benchmarks" / "demo_seeds.py")
-    demo_seeds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo_seeds)
+    from trl_opd.tools import demo
     sweep = {"machine": "2-core CPU", "date": "2026-12-01",
              "runs": [{"accuracy": a, "reverse_kl_sampled": k} for a, k in [(0.8, 0.02), (0.9, 0.01), (0.85, 0.03)]]}
     lines = {}
@@ -173,7 +170,7 @@ def test_demo_says_where_its_result_falls_in_the_measured_range(tmp_path):
         (tmp_path / "heldout_curve.json").write_text(json.dumps(
             [{"step": 0, "accuracy": 0.0, "reverse_kl_sampled": 2.0},
              {"step": 600, "accuracy": accuracy, "reverse_kl_sampled": reverse_kl}]))
-        lines[accuracy] = demo_seeds.compare(tmp_path, sweep).splitlines()
+        lines[accuracy] = demo.compare(tmp_path, sweep).splitlines()
     assert lines[0.85][0].startswith("held-out accuracy 0.8500: inside the range measured for `make demo` over 3 "
                                      "seeds (0.8000-0.9000, mean 0.8500;")
     assert lines[0.85][1].startswith("held-out reverse KL 0.0400: above")
@@ -181,6 +178,6 @@ def test_demo_says_where_its_result_falls_in_the_measured_range(tmp_path):
     assert " 0.7000: below" in lines[0.7][0] and " 0.0050: below" in lines[0.7][1]
 
     # the committed sweep is what the README's quick start quotes
-    measured = json.loads((ROOT / demo_seeds.SWEEP).read_text())["runs"]
+    measured = json.loads(demo.SWEEP.read_text())["runs"]
     low, high = (f"{f(run['accuracy'] for run in measured):.3f}" for f in (min, max))
     assert f"held-out accuracy between {low} and {high}" in (ROOT / "README.md").read_text()

@@ -34,6 +34,7 @@ COMMANDS = {
     "make-tiny": ("trl_opd.tiny:main", "build the tiny local student and teacher the smoke recipes train (seconds)"),
     "make-tiny-agent": ("trl_opd.envs.tiny_agent:main", "build the tiny tool-using pair of the agent recipe"),
     "make-tiny-task": ("trl_opd.envs.addition:main", "build the addition task of the demo (two short SFT runs)"),
+    "compare-demo": ("trl_opd.tools.demo:main", "how a demo run compares with the range measured over five seeds"),
     "make-code-task": ("trl_opd.envs.code_output:main", "build the code-output task of the real models' recipes"),
     "serve-teacher": ("trl_opd.tools.serve:main", "start a vLLM server that scores for teacher_server_url"),
     "serve-env": ("trl_opd.envs.code_env.server:main", "start the code tool environment server (OpenEnv)"),
@@ -113,9 +114,10 @@ def _interrupted(argv: list[str], output_dir: str) -> int:
     if PartialState().is_main_process:
         checkpoint = last_complete_checkpoint(output_dir)
         resume = shlex.join(["trl-opd", "train", *argv, "--resume_from_checkpoint", "true"])
-        print(f"Interrupted. {checkpoint} is the last complete checkpoint; resume with: {resume}" if checkpoint else
-              f"Interrupted. No complete checkpoint in {output_dir} to resume from (save_strategy saves them).",
-              file=sys.stderr)
+        # on a line of its own: the progress bar the interrupt cut short has written no newline
+        print("\n" + (f"Interrupted. {checkpoint} is the last complete checkpoint; resume with: {resume}" if checkpoint
+                      else f"Interrupted. No complete checkpoint in {output_dir} to resume from (save_strategy saves "
+                           "them)."), file=sys.stderr)
     return 130
 
 

@@ -224,6 +224,25 @@ def summarize(runs: list[dict], *, target: float) -> dict[str, dict]:
     return table
 
 
+def best_learning_rates(runs: list[dict]) -> dict[str, float | None]:
+    """Per method, the learning rate with the best mean final held-out accuracy over seeds, then the lower mean final
+    KL (None for runs that record no `learning_rate`)."""
+    sweep = summarize([{**run, "method": (run["method"], run.get("learning_rate"))} for run in runs], target=1.0)
+    best = {}
+    for (method, rate), row in sweep.items():
+        score = (row["accuracy"], -row["reverse_kl"])
+        if method not in best or score > best[method][0]:
+            best[method] = (score, rate)
+    return {method: rate for method, (_, rate) in best.items()}
+
+
+def at_best_rate(runs: list[dict]) -> list[dict]:
+    """The runs of each method at its best learning rate (`best_learning_rates`): what the README and
+    docs/benchmarks.md report for a sweep over rates."""
+    rates = best_learning_rates(runs)
+    return [run for run in runs if run.get("learning_rate") == rates[run["method"]]]
+
+
 def plot_comparison(runs: list[dict], *, target: float | None = None, path: str | Path | None = None):
     """Held-out accuracy against generated tokens and training seconds, and reverse KL against steps, one line per
     method (mean over seeds). Saved to `path` if given; returns the matplotlib figure."""
