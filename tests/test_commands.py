@@ -1,6 +1,7 @@
 """The command line a pip user meets: subcommands listed at once, typos answered with usage, recipes shipped in the
 wheel and found by name."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +87,12 @@ def test_recipes_lists_each_shipped_recipe_with_the_first_sentence_of_its_header
     assert (ROOT / "recipes").resolve() == packaged.RECIPES  # the repository's recipes/ is the packaged folder
 
 
+def test_compare_demo_names_a_folder_without_a_held_out_curve(tmp_path):
+    with pytest.raises(SystemExit, match=r"nowhere/heldout_curve.json does not exist: give the output_dir of a "
+                                         r"finished demo run"):
+        cli.main(["compare-demo", str(tmp_path / "nowhere")])
+
+
 def test_the_package_lists_its_public_names_before_they_load():
     assert {"OPDConfig", "OPDTrainer", "TeacherScorer", "TeacherScores"} <= set(dir(trl_opd))
     assert not [name for name in dir(trl_opd) if not name.startswith("_") and name not in trl_opd.__all__]
@@ -105,7 +112,20 @@ def test_the_wheel_ships_the_recipes_and_trains_one_by_name_from_an_empty_folder
     run = _trl_opd("--config", "smoke_cpu", "--max_steps", "1", cwd=empty, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "Saved the trained adapter to outputs/smoke" in run.stdout
+    assert "Warning: " not in run.stderr, run.stderr  # a clean log: nothing the user would have to act on
     assert (empty / "outputs/smoke/adapter_model.safetensors").exists()
+    # the demo's last step, on a curve whose final values sit in the shipped sweep's range and above it
+    sweep = json.loads((site / "trl_opd/recipes/addition_cpu.seeds.json").read_text())["runs"]
+    accuracy = sorted(run["accuracy"] for run in sweep)[len(sweep) // 2]
+    reverse_kl = max(run["reverse_kl_sampled"] for run in sweep) * 2
+    (empty / "demo").mkdir()
+    final = {"accuracy": accuracy, "reverse_kl_sampled": reverse_kl}
+    (empty / "demo/heldout_curve.json").write_text(json.dumps([final]))
+    compared = _trl_opd("compare-demo", "demo", cwd=empty, env=env)
+    assert compared.returncode == 0, compared.stderr
+    assert compared.stdout.startswith(f"held-out accuracy {accuracy:.4f}: inside the range measured for `make demo` "
+                                      f"over {len(sweep)} seeds")
+    assert f"held-out reverse KL {reverse_kl:.4f}: above the range" in compared.stdout
 
 
 def _readme_python_block(after: str) -> str:
@@ -167,6 +187,29 @@ def test_a_missing_model_path_is_named_with_the_nearest_one_that_exists(tiny, tm
                                                 r".*\) nor, with HF_HUB_OFFLINE set, a Hub model in the local cache"):
         cli.main(argv)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_python_api_names_a_missing_model_path_before_loading_anything(tiny, tmp_path, monkeypatch):
+    from trl_opd import OPDConfig, OPDTrainer
+
+    class NoLoading:
+        def from_pretrained(*args, **kwargs):
+            raise AssertionError("a tokenizer was loaded: the bad path was not caught first")
+
+    monkeypatch.setattr("trl_opd.trainer.opd_trainer.AutoTokenizer", NoLoading)
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "tiny").symlink_to(tiny)
+    monkeypatch.chdir(tmp_path)
+    args = OPDConfig(output_dir="out", bf16=False, report_to="none", per_device_train_batch_size=2, num_generations=1)
+    with pytest.raises(FileNotFoundError, match=r"^model 'artifacts/tiny/studnet' does not exist .* "
+                                                r"Did you mean 'artifacts/tiny/student'\?"):
+        OPDTrainer(model="artifacts/tiny/studnet", teacher_model="artifacts/tiny/teacher", args=args)
+    with pytest.raises(FileNotFoundError, match=r"^teacher_model 'artifacts/tiny/teachr' does not exist .* "
+                                                r"Did you mean 'artifacts/tiny/teacher'\?"):
+        OPDTrainer(model="artifacts/tiny/student", teacher_model="artifacts/tiny/teachr", args=args)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match=r"^model 'tiny/student' is neither a path here"):
+        OPDTrainer(model="tiny/student", teacher_model="artifacts/tiny/teacher", args=args)
 
 
 @pytest.mark.parametrize("options, message", [

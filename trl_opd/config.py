@@ -60,6 +60,11 @@ class OPDConfig(GRPOConfig):
         metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers 5); unset, checkpointing is "
                           "on, as in TRL."},
     )
+    dataloader_pin_memory: bool | None = field(
+        default=None,
+        metadata={"help": "Pin the prompt batches' memory. Unset: on where torch sees an accelerator (a GPU), off "
+                          "elsewhere, where there is nothing to pin for (transformers warns of that on every run)."},
+    )
     if not _TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING:  # so recipes read the same under an older transformers
         activation_checkpointing: bool | None = field(
             default=None,
@@ -399,6 +404,10 @@ class OPDConfig(GRPOConfig):
         return masked(super().to_dict())
 
     def __post_init__(self):
+        if self.dataloader_pin_memory is None:
+            import torch
+
+            self.dataloader_pin_memory = torch.accelerator.is_available()
         if not _TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING:  # an older transformers reads only the old name
             if self.gradient_checkpointing is None:
                 self.gradient_checkpointing = self.activation_checkpointing is not False  # TRL's default: on

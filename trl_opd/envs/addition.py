@@ -93,6 +93,7 @@ def sft(model, tokenizer, dataset, *, steps: int, lr: float, seed: int, batch_si
                 learning_rate=lr, lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.01, seed=seed,
                 logging_steps=max(steps // 5, 1), save_strategy="no", report_to="none", bf16=False,
                 **{ACTIVATION_CHECKPOINTING: False}, disable_tqdm=False, dataloader_num_workers=0,
+                dataloader_pin_memory=False,
             )
             trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
             trainer.train()

@@ -8,6 +8,7 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
@@ -44,6 +45,10 @@ from .policy import POLICY_TERM_ONLY, metrics_renamed_opd, opd_objective
 from .runs import check_finite_logps, check_finite_step, resume_or_claim
 from .self_distillation import TeacherEMA, reference_from_student
 from .student import completion_logps
+
+# TRL 1.16 and PEFT read `model.is_gradient_checkpointing` at every generation and save, and transformers since the
+# rename warns of it: a warning of their code that no option of the run can silence
+warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 # inputs that GRPO's loss forward passes to a vision-language student: those forwards are left to GRPO
 _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
