@@ -8,6 +8,7 @@ student forward, or as summed advantages.
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import nullcontext
 from dataclasses import replace
@@ -49,6 +50,13 @@ from .student import completion_logps
 # TRL 1.16 and PEFT read `model.is_gradient_checkpointing` at every generation and save, and transformers since the
 # rename warns of it: a warning of their code that no option of the run can silence
 warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def _name_deepspeed_accelerator() -> None:
+    """On a machine without an accelerator, tell DeepSpeed (which accelerate imports where it is installed, whatever
+    the run) the CPU it would fall back to, so that it does not warn of a failed GPU detection on every CPU run."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.accelerator.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 # inputs that GRPO's loss forward passes to a vision-language student: those forwards are left to GRPO
 _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "token_type_ids",
@@ -147,6 +155,7 @@ class OPDTrainer(HubMixin, GRPOTrainer):
             teacher_tokenizer=teacher_tokenizers if teacher_tokenizers is not None else teacher_processing_class,
         )
 
+        _name_deepspeed_accelerator()
         user_beta = args.beta
         if (args.ref_as_teacher or args.student_as_teacher in ("initial", "ema")) and user_beta == 0.0:
             args.beta = _BUILD_REFERENCE_BETA  # GRPO builds (or, for PEFT, designates) its reference only for beta > 0
