@@ -254,13 +254,18 @@ def test_ctrl_c_names_the_intact_checkpoint_and_the_command_that_resumes(tiny, t
                str(tiny / "teacher"), "--dataset_name", str(tiny / "train.jsonl"), "--output_dir", str(output_dir),
                "--max_steps", "500", "--save_strategy", "steps", "--save_steps", "1",
                "--per_device_train_batch_size", "4"]
-    process = subprocess.Popen([sys.executable, "-m", "trl_opd", *options], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 300
-    while not (output_dir / "checkpoint-2" / "trainer_state.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=120)
+    # the output goes to files: a pipe nobody reads fills up and stalls the run before any checkpoint
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "trl_opd", *options], stdout=stdout, stderr=stderr,
+                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        deadline = time.monotonic() + 300
+        while not (output_dir / "checkpoint-2" / "trainer_state.json").exists():
+            assert process.poll() is None and time.monotonic() < deadline, \
+                "the run ended or stalled before checkpoint 2: " + (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    err = (tmp_path / "stderr").read_text()
     assert process.returncode == 130, err[-3000:]
     last = next(line for line in err.splitlines() if line.startswith("Interrupted."))  # tqdm closes its bar after
     assert last.startswith(f"Interrupted. {output_dir}/checkpoint-") and "is the last complete checkpoint; resume " \
