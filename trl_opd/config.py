@@ -23,9 +23,8 @@ from .teachers.vllm_server import is_served
 
 # transformers 5 renamed `gradient_checkpointing` to `activation_checkpointing`; vLLM's CPU build pins one from before.
 # OPDConfig takes the new name under either; other configs take `{ACTIVATION_CHECKPOINTING: ...}`.
-_TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-ACTIVATION_CHECKPOINTING = "activation_checkpointing" if _TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING \
-    else "gradient_checkpointing"
+_BEFORE_THE_RENAME = "activation_checkpointing" not in TrainingArguments.__dataclass_fields__
+ACTIVATION_CHECKPOINTING = "gradient_checkpointing" if _BEFORE_THE_RENAME else "activation_checkpointing"
 
 
 class _UngroupedOne(int):
@@ -65,7 +64,7 @@ class OPDConfig(GRPOConfig):
         metadata={"help": "Pin the prompt batches' memory. Unset: on where torch sees an accelerator (a GPU), off "
                           "elsewhere, where there is nothing to pin for (transformers warns of that on every run)."},
     )
-    if not _TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING:  # so recipes read the same under an older transformers
+    if _BEFORE_THE_RENAME:  # so recipes read the same under an older transformers
         activation_checkpointing: bool | None = field(
             default=None,
             metadata={"help": "Checkpoint activations in the backward pass (on by default, as in TRL)."},
@@ -408,7 +407,7 @@ class OPDConfig(GRPOConfig):
             import torch
 
             self.dataloader_pin_memory = torch.accelerator.is_available()
-        if not _TRANSFORMERS_NAMES_ACTIVATION_CHECKPOINTING:  # an older transformers reads only the old name
+        if _BEFORE_THE_RENAME:  # an older transformers reads only the old name
             if self.gradient_checkpointing is None:
                 self.gradient_checkpointing = self.activation_checkpointing is not False  # TRL's default: on
             self.activation_checkpointing = self.gradient_checkpointing
