@@ -256,8 +256,11 @@ def test_ctrl_c_names_the_intact_checkpoint_and_the_command_that_resumes(tiny, t
                "--per_device_train_batch_size", "4"]
     # the output goes to files: a pipe nobody reads fills up and stalls the run before any checkpoint
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        # Ctrl-C as a terminal sends it: a suite started in the background (`.ci/run &`) passes SIGINT on ignored,
+        # and a Python started with SIGINT ignored installs no KeyboardInterrupt for it
         process = subprocess.Popen([sys.executable, "-m", "trl_opd", *options], stdout=stdout, stderr=stderr,
-                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                   env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 300
         while not (output_dir / "checkpoint-2" / "trainer_state.json").exists():
             assert process.poll() is None and time.monotonic() < deadline, \
