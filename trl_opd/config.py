@@ -186,6 +186,17 @@ class OPDConfig(GRPOConfig):
             "advantages from that token to the end of its completion. 0 (default) keeps the per-token advantage."
         },
     )
+    opd_constant_advantage: bool = field(
+        default=False,
+        metadata={
+            "help": "A control run (does the teacher's signal matter?): every distilled token's advantage becomes "
+            "the constant -mean|A|, the mean magnitude of the teacher's advantages `A` over the batch's distilled "
+            "tokens on all processes, in place of `A` itself. The teacher still scores every batch, so the step's "
+            "cost, the magnitude and the logged KL are those of the run it controls; only the per-token information "
+            "is gone, leaving a push down on every token the student sampled. Needs opd_estimator 'sampled' (the "
+            "dense estimators carry the signal outside the advantage) and no reward functions."
+        },
+    )
     teacher_server_url: list[str] | None = field(
         default=None,
         metadata={

@@ -411,6 +411,14 @@ def check_options_apply(args, *, has_rewards: bool) -> None:
                     "add the sampled-token term (the option then shapes it), add reward functions, or remove the "
                     "option."
                 )
+    if args.opd_constant_advantage and (args.opd_estimator != "sampled" or has_rewards):
+        raise ValueError(
+            "opd_constant_advantage replaces the teacher's sampled-token advantage by a constant, as a control: "
+            + (f"opd_estimator={args.opd_estimator!r} carries the teacher's signal in its dense term, which the "
+               "control would leave in place. Use opd_estimator='sampled'." if args.opd_estimator != "sampled" else
+               "with reward functions, the run would still learn from their per-completion signal. Train on the "
+               "teacher alone (no reward_funcs).")
+        )
     if args.opd_divergence_beta != 1.0 and not dense_term:
         raise ValueError(
             f"opd_divergence_beta={args.opd_divergence_beta} chooses the dense term's divergence, and "

@@ -53,6 +53,19 @@ def opd_advantages(
     return torch.where(mask, discounted_future_sum(rewards, steps, gamma=discount), 0.0)
 
 
+def constant_negative_advantages(advantages: torch.Tensor, mask: torch.Tensor, *, sum_over_processes=None
+                                 ) -> torch.Tensor:
+    """The control of `OPDConfig.opd_constant_advantage`: `-mean|A|` at every position where `mask` is 1 and 0
+    elsewhere, (B, T), the mean over the masked-in positions of all processes (`sum_over_processes` sums a tensor
+    across them; None for one process). The advantages' scale is kept and their per-token information dropped."""
+    mask = mask.bool()
+    totals = torch.stack([torch.where(mask, advantages.abs(), 0.0).sum(), mask.sum().to(advantages.dtype)])
+    if sum_over_processes is not None:
+        totals = sum_over_processes(totals)
+    magnitude = totals[0] / totals[1].clamp(min=1.0)
+    return torch.where(mask, -magnitude, 0.0).to(advantages.dtype)
+
+
 def chunk_sums(values: torch.Tensor, chunk_ends: torch.Tensor) -> torch.Tensor:
     """`values` (B, T) summed over each chunk of consecutive positions (a chunk ends where `chunk_ends` is True), the
     sum at every position of the chunk; positions after the last end form one more chunk."""

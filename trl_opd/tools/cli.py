@@ -36,6 +36,8 @@ COMMANDS = {
     "make-tiny-task": ("trl_opd.envs.addition:main", "build the addition task of the demo (two short SFT runs)"),
     "compare-demo": ("trl_opd.tools.demo:main", "how a demo run compares with the range measured over five seeds"),
     "make-code-task": ("trl_opd.envs.code_output:main", "build the code-output task of the real models' recipes"),
+    "make-reasoning-task": ("trl_opd.envs.reasoning:main",
+                            "build a reasoning-gym task (pip install 'trl_opd[reasoning]'), scored by its own grader"),
     "serve-teacher": ("trl_opd.tools.serve:main", "start a vLLM server that scores for teacher_server_url"),
     "serve-env": ("trl_opd.envs.code_env.server:main", "start the code tool environment server (OpenEnv)"),
     "push": ("trl_opd.tools.cli:push_main", "push a saved adapter or model to the Hub"),

@@ -19,11 +19,13 @@ from pathlib import Path
 
 from ..evaluation import HeldoutReverseKLCallback
 
-METHODS = ("opd", "opd-forward-kl", "opd-jsd", "opd-sampled", "trl-distillation", "grpo", "sft")
+METHODS = ("opd", "opd-forward-kl", "opd-jsd", "opd-sampled", "opd-control", "trl-distillation", "grpo", "sft")
 # OPDTrainer's settings per OPD method: its defaults (the full-vocabulary reverse KL here), the same term with another
-# divergence (TRL's beta: 0 forward KL, 0.5 the generalised JSD halfway), and the sampled-token estimator
+# divergence (TRL's beta: 0 forward KL, 0.5 the generalised JSD halfway), the sampled-token estimator, and its control
+# (the same run with every token's advantage the constant -mean|A|: does the teacher's per-token signal matter?)
 _OPD_SETTINGS = {"opd": {}, "opd-forward-kl": {"opd_divergence_beta": 0.0}, "opd-jsd": {"opd_divergence_beta": 0.5},
-                 "opd-sampled": {"opd_estimator": "sampled"}}
+                 "opd-sampled": {"opd_estimator": "sampled"},
+                 "opd-control": {"opd_estimator": "sampled", "opd_constant_advantage": True}}
 
 
 class _GeneratedTokens:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..loss import opd_advantages
+from ..loss import constant_negative_advantages, opd_advantages
 from ..teachers.base import TeacherScores
 
 # The teacher's per-token scores a deferred batch keeps, by batch key and TeacherScores field
@@ -24,14 +24,20 @@ DEFERRED_SCORES = {"teacher_per_token_logps": "logps", "teacher_is_top1": "is_to
                    "teacher_chunk_ends": "chunk_ends"}
 
 
-def set_advantages(inputs, scores: TeacherScores, old_per_token_logps, args, plan) -> torch.Tensor:
+def set_advantages(inputs, scores: TeacherScores, old_per_token_logps, args, plan, *,
+                   sum_over_processes=None) -> torch.Tensor:
     """The teacher's advantages `opd_coef * (log pi_T - log pi_old)` (B, T), put where GRPO's loss reads them: alone,
-    summed with the rewards' (B,), or beside them for a second objective (`plan.combination`)."""
+    summed with the rewards' (B,), or beside them for a second objective (`plan.combination`). In a control run
+    (`plan.constant_advantage`), their mean magnitude over the batch's tokens on all processes instead, negated, on
+    every token (`sum_over_processes` sums a tensor across them)."""
     mask = inputs["action_mask"]
     teacher_advantages = opd_advantages(
         scores.logps, old_per_token_logps, mask, coef=args.opd_coef, discount=args.kl_discount_factor,
         chunk_ends=scores.chunk_ends,
     )  # (B, T)
+    if plan.constant_advantage:
+        teacher_advantages = constant_negative_advantages(teacher_advantages, mask,
+                                                          sum_over_processes=sum_over_processes)
     if plan.combination is None:
         inputs["advantages"] = teacher_advantages
     elif plan.combination == "advantage":

@@ -53,7 +53,12 @@ def objective_text(settings: dict, rewards: str | None = None) -> str:
                  else "an unclipped importance-sampled policy-gradient objective")
     sampled = ("the per-token difference log pi_teacher - log pi_student of each sampled token was the advantage of "
                f"{objective}")
-    if estimator == "sampled":
+    if estimator == "sampled" and settings.get("opd_constant_advantage"):
+        text = ("A control run (opd_constant_advantage): every sampled token's advantage in "
+                f"{objective} was the same negative constant, the mean magnitude of the teacher's per-token "
+                f"advantages opd_coef * (log pi_teacher - log pi_student) over the batch (opd_coef {coef:g}); the "
+                "teacher's per-token signal itself was not trained on.")
+    elif estimator == "sampled":
         text = f"{sampled[0].upper()}{sampled[1:]} (opd_coef {coef:g})."
     else:
         from ..loss import divergence_name
@@ -150,6 +155,8 @@ def write_model_card(trainer, output_dir, *, recipe: str | None = None, dataset:
                       "per_device_train_batch_size", "gradient_accumulation_steps", "opd_loss_coef",
                       "opd_reward_combination")
     settings = {name: getattr(args, name) for name in settings_names}
+    if args.opd_constant_advantage:  # shown only in the control runs it makes
+        settings["opd_constant_advantage"] = True
     if trainer.reward_funcs:
         settings["reward_funcs"] = ", ".join(trainer.reward_func_names)
     logged = [entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry]

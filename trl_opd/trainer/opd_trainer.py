@@ -242,6 +242,9 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         """The student's LM head at the sampling temperature: the policy that sampled, as GRPO's log-probs are."""
         return OutputHead.of(student, temperature=self.temperature)
 
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum")
+
     def _is_student_parameter(self, weight) -> bool:
         return any(parameter is weight for parameter in self.accelerator.unwrap_model(self.model).parameters())
 
@@ -379,7 +382,8 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         old_per_token_logps = output["old_per_token_logps"]  # (B, T)
         check_finite_logps(scores.logps, old_per_token_logps, mask, accelerator=self.accelerator,
                            step=self.state.global_step)
-        teacher_advantages = set_advantages(output, scores, old_per_token_logps, self.args, self.plan)
+        teacher_advantages = set_advantages(output, scores, old_per_token_logps, self.args, self.plan,
+                                            sum_over_processes=self._sum_over_processes)
         self.opd_metrics.log_generation_batch(mode, scores, old_per_token_logps, teacher_advantages, mask,
                                               output["completion_mask"], show_advantages=not self.plan.rewards)
         return output
@@ -538,7 +542,8 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         scores = scores_kept(inputs)
         check_finite_logps(scores.logps, old_per_token_logps, inputs["action_mask"], accelerator=self.accelerator,
                            step=self.state.global_step)
-        teacher_advantages = set_advantages(inputs, scores, old_per_token_logps, self.args, self.plan)
+        teacher_advantages = set_advantages(inputs, scores, old_per_token_logps, self.args, self.plan,
+                                            sum_over_processes=self._sum_over_processes)
         self.opd_metrics.log_deferred("train" if self.model.training else "eval", inputs, scores, old_per_token_logps,
                                       teacher_advantages, show_advantages=not self.plan.rewards)
 

@@ -23,6 +23,7 @@ class OPDPlan:
     advantages_in_loss_forward: bool  # formed from the loss forward's log-probs (else at generation: see below)
     policy_term_zero: bool  # GRPO's policy loss is 0 on every batch whose advantages the loss forward forms
     advantage_zero: bool  # the advantage is 0 by construction (opd_coef 0, no reward advantage summed in): not logged
+    constant_advantage: bool  # a control run: the teacher's advantages replaced by -mean|A| (opd_constant_advantage)
     compact_logps: bool  # the loss forward projects the completion positions only (`student.py`)
     overlap: bool  # training batches scored while the student updates on the one before (`overlap.py`)
     vllm_importance_sampling: bool  # GRPO's correction of vLLM's sampling, kept only where its policy term counts
@@ -54,6 +55,7 @@ class OPDPlan:
             advantages_in_loss_forward=not grpo_old_logps and not args.byte_credit,
             policy_term_zero=policy_term_zero,
             advantage_zero=args.opd_coef == 0.0 and not (rewards and args.opd_reward_combination == "advantage"),
+            constant_advantage=args.opd_constant_advantage,
             compact_logps=grpo.accelerator.device.type == "cpu" and not grpo.aux_loss_enabled
             and not grpo._entropy_bonus_enabled,
             overlap=args.opd_overlap_scoring,

@@ -1,0 +1,84 @@
+"""The reasoning-gym task: prompts from its datasets, answers read between <answer> tags and graded by the dataset's
+own `score_answer`, full marks only."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trl_opd.envs.reasoning import extract_answer, make_reasoning_task, reasoning_gym_reward, reasoning_rows, score
+
+DATASETS = ("leg_counting", "basic_arithmetic", "chain_sum", "gsm_symbolic", "countdown", "family_relationships")
+COMPLETIONS = Path(__file__).parent / "data" / "reasoning_completions.json"
+
+
+def _gold(row: dict) -> str:
+    return json.loads(row["solution"])["answer"]
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_gold_answers_score_one_and_wrong_ones_zero(dataset):
+    rows = reasoning_rows(dataset, size=20, seed=5)
+    gold = [f"Let me see.\n<answer>{_gold(row)}</answer>" for row in rows]
+    assert reasoning_gym_reward(gold, [row["solution"] for row in rows]) == [1.0] * len(rows)
+    # another row's answer where it differs, and a number no entry has: wrong, including where the dataset's own
+    # scorer gives partial credit (gsm_symbolic 0.01 for a number, countdown 0.05 for an expression)
+    wrong = [f"<answer>{_gold(rows[(i + 1) % len(rows)])}</answer>" for i in range(len(rows))]
+    differs = [i for i in range(len(rows)) if _gold(rows[(i + 1) % len(rows)]) != _gold(rows[i])]
+    assert len(differs) >= 10
+    assert reasoning_gym_reward([wrong[i] for i in differs], [rows[i]["solution"] for i in differs]) == [0.0] * len(
+        differs)
+    assert reasoning_gym_reward(["<answer>-987654</answer>"], [rows[0]["solution"]]) == [0.0]
+
+
+def test_partial_credit_counts_as_wrong():
+    row = reasoning_rows("gsm_symbolic", size=1, seed=1)[0]
+    assert 0.0 < score("<answer>-987654</answer>", row["solution"]) < 1.0  # the dataset's own credit for a number
+    assert reasoning_gym_reward(["<answer>-987654</answer>"], [row["solution"]]) == [0.0]
+
+
+def test_the_answer_is_the_last_tagged_one_and_none_without_tags():
+    assert extract_answer("<answer>3</answer> no, <answer> 292 </answer>") == "292"
+    assert extract_answer("<answer>\n12\n</answer>") == "12"
+    assert extract_answer("The answer is 292.") is None
+    assert extract_answer("<answer>292") is None  # cut off before its closing tag
+    row = reasoning_rows("leg_counting", size=1, seed=1)[0]
+    # the right number without the format every prompt asks for has no answer: 0, as reasoning-gym grades it
+    assert reasoning_gym_reward([_gold(row), f"<answer>{_gold(row)}</answer>"], [row["solution"]] * 2) == [0.0, 1.0]
+    # chat completions, as GRPO passes them
+    assert reasoning_gym_reward([[{"role": "assistant", "content": f"<answer>{_gold(row)}</answer>"}]],
+                                [row["solution"]]) == [1.0]
+
+
+def test_prompts_ask_for_tagged_answers_in_a_system_turn():
+    row = reasoning_rows("leg_counting", size=1, seed=1)[0]
+    system, user = row["prompt"]
+    assert system["role"] == "system" and "<answer>" in system["content"]
+    assert user == {"role": "user", "content": json.loads(row["solution"])["question"]}
+    with pytest.raises(ValueError, match="Unknown system prompt 'nope'"):
+        reasoning_rows("leg_counting", size=1, seed=1, system_prompt="nope")
+
+
+def test_the_task_holds_no_heldout_question_among_its_training_prompts(tmp_path):
+    directory = make_reasoning_task(tmp_path / "task", dataset="basic_arithmetic", train=400, heldout=100,
+                                    min_terms=2, max_terms=2, min_digits=1, max_digits=1)  # few questions: repeats
+    train = [json.loads(line) for line in open(directory / "train.jsonl")]
+    heldout = [json.loads(line) for line in open(directory / "heldout.jsonl")]
+    held = {row["prompt"][-1]["content"] for row in heldout}
+    assert len(heldout) == 100 and 0 < len(train) < 400  # some training draws were held-out questions, and dropped
+    assert not held & {row["prompt"][-1]["content"] for row in train}
+    assert reasoning_gym_reward([f"<answer>{_gold(row)}</answer>" for row in heldout],
+                                [row["solution"] for row in heldout]) == [1.0] * 100
+
+
+def test_the_command_writes_the_task_and_refuses_one_seed_for_both(tmp_path, capsys):
+    from trl_opd.envs.reasoning import main
+
+    main([str(tmp_path / "task"), "--dataset", "leg_counting", "--train", "30", "--heldout", "10",
+          "--config", "min_animals=2", "max_animals=3"])
+    assert "10 held-out prompts of reasoning-gym's leg_counting" in capsys.readouterr().out
+    heldout = [json.loads(line) for line in open(tmp_path / "task" / "heldout.jsonl")]
+    assert all(2 <= json.loads(row["solution"])["metadata"]["num_animals"] <= 3 for row in heldout)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "other"), "--seed", "3", "--heldout-seed", "3"])
+    assert "must differ" in capsys.readouterr().err
