@@ -2,7 +2,7 @@
 
     make real-models && export OPD_MODELS_DIR=~/.cache/real-models
     .venv/bin/python benchmarks/reasoning_task_gap.py --prompts 100 \\
-        --datasets basic_arithmetic chain_sum leg_counting simple_equations family_relationships spell_backward
+        --datasets basic_arithmetic chain_sum chain_sum:max_terms=3,max_digits=2 leg_counting
 
 Each dataset's held-out prompts are those `trl-opd make-reasoning-task` writes (its held-out seed, 2), with
 reasoning-gym's "direct" system prompt, graded by `trl_opd.envs.reasoning.reasoning_gym_reward` (full marks from the
@@ -42,12 +42,21 @@ def measure(texts: list[str], lengths: list[int], solutions: list[str], max_new_
             "mean_tokens": sum(lengths) / n, "truncated": sum(k >= max_new_tokens for k in lengths) / n}
 
 
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`name` or `name:key=value,key=value` (the dataset's own settings, values as JSON where they parse)."""
+    from trl_opd.envs.reasoning import _config_value
+
+    name, _, settings = spec.partition(":")
+    return name, dict(_config_value(item) for item in settings.split(",") if item)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     model_help = "a Hub id (read from its copy in OPD_MODELS_DIR where set) or a directory; default: %(default)s"
     parser.add_argument("--student", default="Qwen/Qwen2.5-Coder-0.5B-Instruct", help=model_help)
     parser.add_argument("--teacher", default="Qwen/Qwen2.5-Coder-1.5B-Instruct", help=model_help)
-    parser.add_argument("--datasets", nargs="+", required=True, help="reasoning-gym dataset names")
+    parser.add_argument("--datasets", nargs="+", required=True,
+                        help="reasoning-gym dataset names, each with its own settings if any: chain_sum:max_terms=3")
     parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=50)
@@ -55,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="benchmarks/results/reasoning_task_gap.json")
     args = parser.parse_args(argv)
 
-    rows = {name: reasoning_rows(name, size=args.prompts, seed=2) for name in args.datasets}
+    rows = {spec: reasoning_rows(name, size=args.prompts, seed=2, **config)
+            for spec, (name, config) in map(lambda spec: (spec, parse_spec(spec)), args.datasets)}
     results = {"machine": describe_machine(), "date": time.strftime("%Y-%m-%d"), "prompts": args.prompts,
                "max_new_tokens": args.max_new_tokens, "heldout_seed": 2, "models": {}, "datasets": {}}
     for role, model_name in (("student", args.student), ("teacher", args.teacher)):

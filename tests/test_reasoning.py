@@ -82,3 +82,13 @@ def test_the_command_writes_the_task_and_refuses_one_seed_for_both(tmp_path, cap
     with pytest.raises(SystemExit):
         main([str(tmp_path / "other"), "--seed", "3", "--heldout-seed", "3"])
     assert "must differ" in capsys.readouterr().err
+
+
+def test_an_unknown_dataset_or_setting_is_named_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="no dataset 'leg_countin'; did you mean 'leg_counting'"):
+        make_reasoning_task(tmp_path / "a", dataset="leg_countin")
+    with pytest.raises(ValueError, match=r"refused the settings \{'max_animals': 1\} .* max_animals must be >= min"):
+        make_reasoning_task(tmp_path / "b", dataset="leg_counting", max_animals=1)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'nope'"):
+        make_reasoning_task(tmp_path / "c", dataset="leg_counting", nope=1)
+    assert not any(tmp_path.iterdir())

@@ -45,7 +45,18 @@ def reasoning_rows(dataset: str, *, size: int, seed: int, system_prompt: str = S
 
     if system_prompt not in SYSTEM_PROMPTS:
         raise ValueError(f"Unknown system prompt {system_prompt!r}; reasoning-gym has {sorted(SYSTEM_PROMPTS)}.")
-    entries = rg.create_dataset(dataset, size=size, seed=seed, **config)
+    from reasoning_gym.factory import DATASETS
+
+    if dataset not in DATASETS:
+        from difflib import get_close_matches
+
+        near = get_close_matches(dataset, DATASETS, n=1)
+        raise ValueError(f"reasoning-gym has no dataset {dataset!r}" + (f"; did you mean {near[0]!r}?" if near else
+                                                                         "; see reasoning_gym.factory.DATASETS."))
+    try:
+        entries = rg.create_dataset(dataset, size=size, seed=seed, **config)
+    except (AssertionError, TypeError) as error:  # its configs validate with assert; an unknown key is a TypeError
+        raise ValueError(f"reasoning-gym refused the settings {config} of {dataset!r}: {error}") from error
     return [{"prompt": [{"role": "system", "content": SYSTEM_PROMPTS[system_prompt]},
                         {"role": "user", "content": entry["question"]}],
              "solution": json.dumps(entry)} for entry in entries]
