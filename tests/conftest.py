@@ -1,10 +1,17 @@
 """Shared fixtures: one tiny student/teacher pair per session, built locally (no model hub)."""
 
 import os
+import platform
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The golden traces were recorded on torch's AVX2 kernels. Where the CPU has AVX-512, torch dispatches to wider
+# kernels that round differently, and the first step already samples other tokens: every trace differs although the
+# code does not. Every x86-64 CPU of this kind has AVX2, so the suite, and every process it starts (DeepSpeed ranks,
+# the vLLM server), runs on those kernels wherever it runs. Set before torch is first imported.
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 import pytest  # noqa: E402
 
