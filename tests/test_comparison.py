@@ -58,3 +58,31 @@ def test_each_method_is_reported_at_the_rate_with_its_best_mean_final_accuracy_t
     assert best_learning_rates(runs) == {"a": 3e-3, "b": 3e-3}
     assert at_best_rate(runs) == [runs[2], runs[3], runs[5]]
     assert summarize(at_best_rate(runs), target=1.0)["a"]["accuracy"] == pytest.approx(0.6)
+
+
+def test_a_sweep_measures_the_untrained_student_once_and_that_is_each_run_s_first_point(tiny_task):
+    # a sweep's baselines measure the untrained student once (benchmarks/reasoning_benchmark.py); each run then starts
+    # its curve from them. Valid because a LoRA student before its first step is that student: the same answers,
+    # the same numbers, as measured in the run itself
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.rewards import accuracy_reward
+
+    from trl_opd.evaluation import heldout_reverse_kl
+
+    inputs = task_inputs(tiny_task)
+    heldout = inputs["heldout"][:8]
+    tokenizer = AutoTokenizer.from_pretrained(inputs["student"])
+    fresh = AutoModelForCausalLM.from_pretrained(inputs["student"], dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(inputs["teacher"], dtype=torch.float32).eval()
+    baseline = heldout_reverse_kl(fresh, teacher, tokenizer, [row["prompt"] for row in heldout], max_new_tokens=40,
+                                  seed=1234, solutions=[row["solution"] for row in heldout],
+                                  accuracy_func=accuracy_reward, greedy_accuracy=True)
+    options = dict(steps=1, eval_every=1, eval_prompts=8, batch_size=8, lora_r=4, greedy_accuracy=True)
+    measured = run_method("opd", **inputs, **options)["history"][0]
+    for key in ("accuracy", "accuracy_greedy"):
+        assert measured[key] == baseline[key]
+    assert measured["reverse_kl_exact"] == pytest.approx(baseline["reverse_kl_exact"], rel=1e-5)
+    given = run_method("opd", **inputs, **options, initial={**baseline, "accuracy": 0.125})["history"]
+    assert given[0] == {"step": 0, **baseline, "accuracy": 0.125, "train_seconds": 0.0, "generated_tokens": 0}
+    assert [entry["step"] for entry in given] == [0, 1] and given[1]["generated_tokens"] > 0

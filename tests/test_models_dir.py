@@ -14,7 +14,8 @@ from trl_opd.tools.recipe import make_parser
 ROOT = Path(__file__).parents[1]
 QWEN_05B, QWEN_15B = "Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
-REAL_RECIPES = {"real_cpu.yaml": (QWEN_05B, QWEN_15B), "real_cross_cpu.yaml": (SMOLLM2, QWEN_05B)}
+REAL_RECIPES = {"real_cpu.yaml": (QWEN_05B, QWEN_15B), "real_cross_cpu.yaml": (SMOLLM2, QWEN_05B),
+                "reasoning_cpu.yaml": (QWEN_05B, QWEN_15B)}
 
 
 @pytest.fixture

@@ -92,3 +92,35 @@ def test_an_unknown_dataset_or_setting_is_named_before_anything_is_written(tmp_p
     with pytest.raises(ValueError, match="unexpected keyword argument 'nope'"):
         make_reasoning_task(tmp_path / "c", dataset="leg_counting", nope=1)
     assert not any(tmp_path.iterdir())
+
+
+def test_the_default_task_is_the_measured_one(tmp_path, capsys):
+    from trl_opd.envs.reasoning import main
+
+    main([str(tmp_path / "task"), "--train", "20", "--heldout", "20"])
+    assert "held-out prompts of reasoning-gym's chain_sum" in capsys.readouterr().out
+    for row in map(json.loads, open(tmp_path / "task" / "heldout.jsonl")):
+        entry = json.loads(row["solution"])
+        numbers = entry["metadata"]["expression"].replace("+", " ").replace("-", " ").split()
+        assert len(numbers) in (2, 3) and all(0 <= int(n) < 100 for n in numbers), entry  # as the recipe says
+
+
+def test_the_recipe_trains_a_step_and_logs_reasoning_gyms_accuracy(tiny, tmp_path):
+    # recipes/reasoning_cpu.yaml as it runs, on the tiny pair instead of the real one: the prompts' system turn, the
+    # accuracy function the recipe names, its evaluation on the held-out file
+    from trl_opd.tools import cli, recipe
+
+    task = make_reasoning_task(tmp_path / "task", dataset="chain_sum", train=16, heldout=4, max_terms=3, max_digits=2)
+    trainer = cli.train(*recipe.make_parser().parse_args_and_config([
+        "--config", str(Path(__file__).parents[1] / "recipes" / "reasoning_cpu.yaml"),
+        "--model_name_or_path", str(tiny / "student"), "--teacher_model_name_or_path", str(tiny / "teacher"),
+        "--dataset_name", str(task / "train.jsonl"), "--eval_dataset_name", str(task / "heldout.jsonl"),
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--logging_steps", "1", "--eval_steps", "1",
+        "--per_device_eval_batch_size", "4", "--save_final_model", "false",
+    ]))
+    evaluations = [entry for entry in trainer.state.log_history if "eval_accuracy" in entry]
+    assert trainer.state.global_step == 1 and len(evaluations) == 2  # before the first step and after it
+    assert all(entry["eval_accuracy"] in (0.0, 0.25, 0.5, 0.75, 1.0) for entry in evaluations)  # of 4 prompts
+    assert all(entry["eval_opd/reverse_kl"] > 0 for entry in evaluations)  # two different models
+    train = next(entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry)
+    assert 0.0 <= train["accuracy"] <= 1.0 and train["opd/reverse_kl"] > 0

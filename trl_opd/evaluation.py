@@ -210,12 +210,14 @@ class HeldoutReverseKLCallback(TrainerCallback):
     Trainer, so that trainers without an evaluation of their own are measured alike.
 
     Single-process: the student generates with plain `generate`. `history` keeps (step, metrics) for scripts, with
-    `train_seconds`: wall-clock time since training began, less the time spent in this callback.
+    `train_seconds`: wall-clock time since training began, less the time spent in this callback. `initial`, where
+    given, is the untrained student's metrics, measured once for a sweep whose runs all start from it (the same
+    prompts and seed sample the same answers): recorded before the first step instead of measuring them again.
     """
 
-    def __init__(self, teacher, tokenizer, prompts: list, *, eval_every: int, **kwargs):
+    def __init__(self, teacher, tokenizer, prompts: list, *, eval_every: int, initial: dict | None = None, **kwargs):
         self.teacher, self.tokenizer, self.prompts = teacher, tokenizer, prompts
-        self.eval_every, self.kwargs = eval_every, kwargs
+        self.eval_every, self.initial, self.kwargs = eval_every, initial, kwargs
         self.history: list[tuple[int, dict[str, float]]] = []
         self._start = self._eval_seconds = 0.0
 
@@ -229,7 +231,10 @@ class HeldoutReverseKLCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._start, self._eval_seconds = time.perf_counter(), 0.0
-        self._evaluate(state.global_step, model)
+        if self.initial is None:
+            self._evaluate(state.global_step, model)
+        else:
+            self.history.append((state.global_step, {**self.initial, "train_seconds": 0.0}))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.eval_every == 0:

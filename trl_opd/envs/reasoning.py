@@ -1,7 +1,12 @@
 """A reasoning task no one here wrote: prompts from one of reasoning-gym's procedural datasets, graded by that
 dataset's own `score_answer`.
 
-    trl-opd make-reasoning-task artifacts/reasoning_task --dataset leg_counting    # seconds: no model is trained
+    trl-opd make-reasoning-task artifacts/reasoning_task    # seconds: no model is trained
+
+Its default is the task of `recipes/reasoning_cpu.yaml`, chosen by measurement (`benchmarks/reasoning_task_gap.py`,
+docs/benchmarks.md): chain_sum with two or three terms of at most two digits, where the real pair's teacher
+(Qwen2.5-Coder-1.5B-Instruct) beats its untrained student (0.5B) by more than 20 points held-out and answers fit in
+16 tokens. `--dataset NAME` (with `--config KEY=VALUE ...`, the dataset's own settings) writes any other.
 
 Each row's `prompt` is reasoning-gym's question as a user turn after its "direct" system prompt (answer between
 <answer> and </answer> tags, no preamble), and its `solution` the dataset entry (question, gold answer, metadata) as
@@ -25,6 +30,7 @@ import json
 from functools import cache
 from pathlib import Path
 
+DEFAULT_DATASET, DEFAULT_CONFIG = "chain_sum", {"max_terms": 3, "max_digits": 2}
 SYSTEM_PROMPT = "direct"  # reasoning-gym's: "Answer the question directly. Provide your answer between <answer> ..."
 
 
@@ -125,7 +131,8 @@ def _config_value(text: str):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trl-opd make-reasoning-task", description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", default="artifacts/reasoning_task")
-    parser.add_argument("--dataset", default="leg_counting", help="a reasoning-gym dataset name (default %(default)s)")
+    parser.add_argument("--dataset", help=f"a reasoning-gym dataset name (default {DEFAULT_DATASET}, with "
+                        f"{' '.join(f'{k}={v}' for k, v in DEFAULT_CONFIG.items())} unless --config is given)")
     parser.add_argument("--train", type=int, default=2048, help="training prompts drawn (default %(default)s)")
     parser.add_argument("--heldout", type=int, default=200, help="held-out prompts (default %(default)s)")
     parser.add_argument("--seed", type=int, default=1, help="the training prompts' seed (default %(default)s)")
@@ -133,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", type=_config_value, nargs="*", default=[], metavar="KEY=VALUE",
                         help="the dataset's own settings, e.g. --config min_animals=3 max_animals=5")
     args = parser.parse_args(argv)
+    if args.dataset is None:
+        args.dataset, args.config = DEFAULT_DATASET, args.config or list(DEFAULT_CONFIG.items())
     if args.seed == args.heldout_seed:
         parser.error("--seed and --heldout-seed must differ: the held-out prompts would be the training ones.")
     directory = make_reasoning_task(args.directory, dataset=args.dataset, train=args.train, heldout=args.heldout,

@@ -53,6 +53,10 @@ class _CurveCallback(HeldoutReverseKLCallback):
         super().__init__(*args, **kwargs)
         self.counter, self.generated_tokens = counter, generated_tokens
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        super().on_train_begin(args, state, control, model=model, **kwargs)
+        self.history[-1][1].setdefault("generated_tokens", 0)  # where `initial` was given, not measured
+
     def _evaluate(self, step: int, model) -> dict[str, float]:
         self.counter.paused = True
         try:
@@ -101,13 +105,15 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
                batch_size: int = 32, learning_rate: float = 1e-3, eval_every: int = 25, eval_prompts: int = 100,
                seed: int = 0, max_completion_length: int = 40, grpo_generations: int = 8, dtype: str = "float32",
                output_dir: str | None = None, accuracy_func=None, lora_r: int | None = None,
-               greedy_accuracy: bool = False) -> dict:
+               greedy_accuracy: bool = False, initial: dict | None = None) -> dict:
     """Train `student` (a path or Hub id) with `method` (one of `METHODS`) on `prompts` (a dataset with `prompt` and
     `solution` columns, as in `task_inputs`) and return its learning curve on `heldout` rows (prompt, solution).
 
     `accuracy_func` scores answers (GRPO's reward and the held-out accuracy; TRL's `accuracy_reward` by default);
     with `lora_r`, every method trains a LoRA adapter of that rank (alpha 2r, all linear layers) instead of the whole
-    student; with `greedy_accuracy`, each evaluation also scores the student's greedy answers (`accuracy_greedy`)."""
+    student; with `greedy_accuracy`, each evaluation also scores the student's greedy answers (`accuracy_greedy`);
+    `initial`, the untrained student's held-out metrics measured once for a sweep, is its curve's first point instead
+    of a measurement (`HeldoutReverseKLCallback`)."""
     import torch
     from datasets import Dataset, concatenate_datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -175,7 +181,7 @@ def run_method(method: str, student: str, teacher: str, prompts, heldout: list[d
             teacher, tokenizer, [row["prompt"] for row in heldout], eval_every=eval_every,
             max_new_tokens=max_completion_length, seed=1234, solutions=[row["solution"] for row in heldout],
             accuracy_func=accuracy_func, counter=counter, generated_tokens=generated_tokens,
-            greedy_accuracy=greedy_accuracy,
+            greedy_accuracy=greedy_accuracy, initial=initial,
         )
         trainer.add_callback(callback)
         begin = time.perf_counter()
