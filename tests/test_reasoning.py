@@ -124,3 +124,17 @@ def test_the_recipe_trains_a_step_and_logs_reasoning_gyms_accuracy(tiny, tmp_pat
     assert all(entry["eval_opd/reverse_kl"] > 0 for entry in evaluations)  # two different models
     train = next(entry for entry in trainer.state.log_history if "opd/reverse_kl" in entry)
     assert 0.0 <= train["accuracy"] <= 1.0 and train["opd/reverse_kl"] > 0
+
+
+def test_real_completions_of_both_models_are_read_and_graded_as_written_by_hand():
+    # completions of the real pair on the recipe's task (benchmarks/reasoning_task_gap.py), their answers read by
+    # hand: a right number without tags, a dropped sign, a completion cut off before its answer, right and wrong ones
+    cases = json.loads(COMPLETIONS.read_text())["completions"]
+    assert {(case["model"], case["mode"]) for case in cases} == {
+        (model, mode) for model in ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct")
+        for mode in ("greedy", "sampled")}
+    for case in cases:
+        assert extract_answer(case["completion"]) == case["answer"], case
+    assert reasoning_gym_reward([case["completion"] for case in cases], [case["solution"] for case in cases]) == [
+        float(case["correct"]) for case in cases]
+    assert {case["correct"] for case in cases} == {True, False}

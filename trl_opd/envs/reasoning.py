@@ -4,7 +4,7 @@ dataset's own `score_answer`.
     trl-opd make-reasoning-task artifacts/reasoning_task    # seconds: no model is trained
 
 Its default is the task of `recipes/reasoning_cpu.yaml`, chosen by measurement (`benchmarks/reasoning_task_gap.py`,
-docs/benchmarks.md): chain_sum with two or three terms of at most two digits, where the real pair's teacher
+docs/reasoning.md): chain_sum with two or three terms of at most two digits, where the real pair's teacher
 (Qwen2.5-Coder-1.5B-Instruct) beats its untrained student (0.5B) by more than 20 points held-out and answers fit in
 16 tokens. `--dataset NAME` (with `--config KEY=VALUE ...`, the dataset's own settings) writes any other.
 
