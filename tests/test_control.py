@@ -52,6 +52,37 @@ def test_formed_at_generation_every_distilled_token_gets_minus_the_mean_magnitud
     torch.testing.assert_close(batch["advantages"], expected, atol=1e-4 * abs(constant.item()), rtol=1e-4)
 
 
+def test_a_generation_batch_of_several_micro_batches_gets_one_constant_over_all_of_them(tiny, prompts,
+                                                                                       make_config):
+    # 2 micro-batches of 4 rows a generation, trained in one step: the plain run forms its advantages in each loss
+    # forward, the control at generation, where the whole batch of 8 is at hand (each loss forward sees only its 4)
+    options = dict(max_steps=1, gradient_accumulation_steps=2, opd_estimator="sampled")
+    plain = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                       args=make_config(**options))
+    assert plain.plan.advantages_in_loss_forward
+    trainer = OPDTrainer(model=str(tiny / "student"), teacher_model=str(tiny / "teacher"), train_dataset=prompts,
+                         args=make_config(**options, opd_constant_advantage=True))
+    assert not trainer.plan.advantages_in_loss_forward
+    batches, generate = [], trainer._generate_and_score_completions
+
+    def recording(inputs):
+        batches.append(generate(inputs))
+        return batches[-1]
+
+    trainer._generate_and_score_completions = recording
+    trainer.train()
+    assert len(batches) == 1 and batches[0]["completion_ids"].size(0) == 8
+    batch = batches[0]
+    mask = batch["action_mask"].bool()
+    teacher_advantages = _teacher_logps(trainer, batch) - batch["old_per_token_logps"]  # opd_coef 1
+    # the trained step moved the student, not the teacher; the old log-probs are the sampling policy's own
+    constant = -teacher_advantages[mask].abs().mean()
+    halves = [-teacher_advantages[:4][mask[:4]].abs().mean(), -teacher_advantages[4:][mask[4:]].abs().mean()]
+    assert abs(halves[0] - halves[1]) > 1e-3 * abs(constant)  # a mean per micro-batch would be another number
+    torch.testing.assert_close(batch["advantages"], torch.where(mask, constant, 0.0),
+                               atol=1e-4 * abs(constant.item()), rtol=1e-4)
+
+
 def test_formed_in_the_loss_forward_the_control_keeps_the_run_s_kl_and_changes_its_update(tiny, prompts,
                                                                                          make_config):
     runs = {}

@@ -150,6 +150,17 @@ def test_another_divergence_under_zero3_matches_one_process(tiny, tmp_path):
     _assert_same_training(two, one, dense_metric="opd/jsd_dense")
 
 
+def test_the_control_under_zero3_takes_its_constant_over_both_processes(tiny, tmp_path):
+    # each process holds 8 of the 16 rows: a constant from its own rows only would be another number on each, and
+    # the step another than one process's over all 16
+    two, one = _train_both_ways(lambda out: _args(tiny, out, "--opd_estimator", "sampled",
+                                                  "--opd_constant_advantage", "true"), tmp_path)
+    _assert_same_training(two, one)
+    for a, b in zip(_history(two), _history(one), strict=True):
+        assert a["opd/advantage_mean"] == pytest.approx(b["opd/advantage_mean"], rel=1e-4)
+        assert a["opd/advantage_mean"] < 0
+
+
 def test_a_student_with_tied_embeddings_under_zero3_matches_one_process(tiny, tmp_path):
     # the LM head is the input embedding (Qwen3 up to 4B, Qwen2.5 0.5B): one partitioned tensor that the embedding and
     # the dense term both read, whose gradient sums both uses

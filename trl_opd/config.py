@@ -190,9 +190,11 @@ class OPDConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "A control run (does the teacher's signal matter?): every distilled token's advantage becomes "
-            "the constant -mean|A|, the mean magnitude of the teacher's advantages `A` over the batch's distilled "
-            "tokens on all processes, in place of `A` itself. The teacher still scores every batch, so the step's "
-            "cost, the magnitude and the logged KL are those of the run it controls; only the per-token information "
+            "the constant -mean|A|, the mean magnitude of the teacher's advantages `A` over the generation batch's "
+            "distilled tokens on all processes, in place of `A` itself. The teacher still scores every batch, so the "
+            "magnitude and the logged KL are those of the run it controls, and so is the step's cost, except where "
+            "a generation batch spans several micro-batches (steps_per_generation > 1): the control then forms its "
+            "advantages at generation, with one more no-grad forward of the student. Only the per-token information "
             "is gone, leaving a push down on every token the student sampled. Needs opd_estimator 'sampled' (the "
             "dense estimators carry the signal outside the advantage) and no reward functions."
         },

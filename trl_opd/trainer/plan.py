@@ -44,6 +44,10 @@ class OPDPlan:
         # its extra forward for the old log-probs would buy nothing (the sampler's gap is logged from the loss forward)
         importance_sampling = grpo.use_vllm and grpo.vllm_importance_sampling_correction and not policy_term_zero
         grpo_old_logps = not on_policy or importance_sampling
+        # the control's constant is a mean over the whole generation batch: where GRPO splits that batch into several
+        # micro-batches, each loss forward would see only its own, so it is formed at generation, from one more
+        # no-grad forward of the student
+        split_control = args.opd_constant_advantage and args.steps_per_generation > 1
         return cls(
             teacher_source=source,
             estimator=args.opd_estimator,
@@ -52,7 +56,7 @@ class OPDPlan:
             rewards=rewards,
             combination=args.opd_reward_combination if rewards else None,
             byte_credit=args.byte_credit,
-            advantages_in_loss_forward=not grpo_old_logps and not args.byte_credit,
+            advantages_in_loss_forward=not grpo_old_logps and not args.byte_credit and not split_control,
             policy_term_zero=policy_term_zero,
             advantage_zero=args.opd_coef == 0.0 and not (rewards and args.opd_reward_combination == "advantage"),
             constant_advantage=args.opd_constant_advantage,
