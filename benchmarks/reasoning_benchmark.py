@@ -76,8 +76,12 @@ def run_one(method: str, learning_rate: float, seed: int, args) -> dict:
                      grpo_generations=args.grpo_generations, accuracy_func=reasoning_gym_reward, lora_r=args.lora_r,
                      greedy_accuracy=True, initial=initial)
     run.pop("log_history")  # the trainers' own logs: large, and the curve has what the table needs
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    # the run's CPU seconds (all its threads) and the machine's load averages at its end: a run that shared the
+    # machine took more wall-clock seconds for the same CPU seconds (`--timing` measures each method's step alone)
     return {**run, "learning_rate": learning_rate, "step_0": "the baselines' untrained student",
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mib": usage.ru_maxrss / 1024, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "load_average": os.getloadavg()}
 
 
 def baselines(args) -> dict:
