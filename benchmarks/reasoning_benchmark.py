@@ -5,6 +5,7 @@ teacher's signal matters.
     .venv/bin/trl-opd make-reasoning-task artifacts/reasoning_task     # the recipe's task (chain_sum, measured)
     .venv/bin/python benchmarks/reasoning_benchmark.py --seeds 0          # the grid; resumable: runs in --json kept
     .venv/bin/python benchmarks/reasoning_benchmark.py --seeds 1 2 --method-rates opd=3e-4 ...   # at the best rates
+    .venv/bin/python benchmarks/reasoning_benchmark.py --timing 8     # each method's step alone, on a quiet machine
     .venv/bin/python benchmarks/reasoning_benchmark.py --from-json benchmarks/results/reasoning_benchmark.json \\
         --plot docs/reasoning_benchmark.png
 
@@ -25,6 +26,12 @@ prompts: accuracy greedy and sampled at temperature 1 (`trl_opd.envs.reasoning.r
 KL(student || teacher) on its samples. The teacher and the untrained student are measured the same way once
 (`baselines`), and every curve starts from that untrained student (each run's step 0, not measured again: about 40
 minutes a run on 2 cores, 27 of them the 60 steps).
+
+Seconds are measured apart from accuracy: a run's held-out accuracy does not depend on what else the machine ran
+during it, its wall-clock does (each run records its CPU seconds and the load average). `--timing N` trains each
+method at its chosen rate for N steps with nothing measured between them, one method after another on an otherwise
+idle machine, and the table's seconds per step and the plot's wall-clock axis are those (`timing`); without them,
+the runs' own.
 
 The table shows each method at the learning rate of its grid with the best mean final sampled accuracy
 over seeds; the errors are binomial, sqrt(p (1 - p) / n) over all n = prompts x seeds answers, beside the range over
@@ -84,6 +91,24 @@ def run_one(method: str, learning_rate: float, seed: int, args) -> dict:
             "load_average": os.getloadavg()}
 
 
+def time_one(method: str, learning_rate: float, steps: int, args) -> dict:
+    """`method`'s seconds per training step over `steps` steps at `learning_rate`, nothing evaluated between them
+    (the untrained student's metrics stand in for the curve's first point), and SFT's teacher seconds per answer."""
+    from trl_opd.envs.reasoning import reasoning_gym_reward
+    from trl_opd.tools.comparison import run_method
+
+    student, teacher, prompts, heldout = _inputs(args)
+    initial = {k: v for k, v in json.loads(Path(args.json).read_text())["baselines"]["student"].items()
+               if k != "seconds"}
+    run = run_method(method, student, teacher, prompts, heldout, steps=steps, batch_size=args.batch_size,
+                     learning_rate=learning_rate, eval_every=steps + 1, eval_prompts=args.eval_prompts, seed=0,
+                     max_completion_length=args.max_completion_length, grpo_generations=args.grpo_generations,
+                     accuracy_func=reasoning_gym_reward, lora_r=args.lora_r, initial=initial)
+    return {"learning_rate": learning_rate, "steps": steps, "seconds_per_step": run["seconds_per_step"],
+            "teacher_seconds_per_answer": run["teacher_generation_seconds"] / (steps * args.batch_size),
+            "load_average": os.getloadavg()}
+
+
 def baselines(args) -> dict:
     """The teacher and the untrained student, measured as the trained students are (same prompts, seed, sampling)."""
     import torch
@@ -126,6 +151,17 @@ def best_rates(runs: list[dict]) -> dict[str, float]:
     return {method: rate for method, (_, rate) in best.items()}
 
 
+def _seconds(results: dict, method: str, group: list[dict]) -> tuple[float, float]:
+    """`method`'s seconds per step and SFT's seconds of teacher answers for a run of the sweep's length: from its
+    `--timing` pass where one was measured at the chosen rate, else the mean of the runs in `group`."""
+    timing = results.get("timing", {}).get(method)
+    if timing is not None and timing["learning_rate"] == group[0]["learning_rate"]:
+        answers = results["settings"]["steps"] * results["settings"]["batch_size"]
+        return timing["seconds_per_step"], timing["teacher_seconds_per_answer"] * answers
+    return (sum(run["seconds_per_step"] for run in group) / len(group),
+            sum(run["teacher_generation_seconds"] for run in group) / len(group))
+
+
 def summary(results: dict) -> dict[str, dict]:
     """Per method at its best rate: final accuracies (mean over seeds, binomial error over every answer, range over
     seeds), KL, seconds per step, SFT's generation seconds, and the step at which the mean sampled accuracy first
@@ -143,8 +179,7 @@ def summary(results: dict) -> dict[str, dict]:
             row[f"{key}_range"] = (min(finals), max(finals))
             if key != "reverse_kl_exact":
                 row[f"{key}_stderr"] = _stderr(row[key], n * len(group))
-        row["seconds_per_step"] = sum(run["seconds_per_step"] for run in group) / len(group)
-        row["teacher_generation_seconds"] = sum(run["teacher_generation_seconds"] for run in group) / len(group)
+        row["seconds_per_step"], row["teacher_generation_seconds"] = _seconds(results, method, group)
         row["peak_rss_mib"] = max(run["peak_rss_mib"] for run in group)
         mean_curve = [(group[0]["history"][i]["step"], sum(run["history"][i]["accuracy"] for run in group) / len(group))
                       for i in range(length)]
@@ -213,8 +248,12 @@ def plot(results: dict, path: Path, methods: list[str] | None = None) -> None:
         columns = [[run["history"][i]["accuracy"] for run in group] for i in range(length)]
         steps = [group[0]["history"][i]["step"] for i in range(length)]
         # SFT's clock starts with its teacher's answers, generated before its first step
-        seconds = [sum(run["history"][i]["train_seconds"] + run["teacher_generation_seconds"] for run in group)
-                   / len(group) for i in range(length)]
+        per_step, generation = _seconds(results, method, group)
+        if method in results.get("timing", {}):
+            seconds = [generation + step * per_step for step in steps]
+        else:
+            seconds = [sum(run["history"][i]["train_seconds"] + run["teacher_generation_seconds"] for run in group)
+                       / len(group) for i in range(length)]
         for axis, xs in zip(axes, (steps, seconds), strict=True):
             line, = axis.plot(xs, [sum(c) / len(c) for c in columns], marker=".",
                               label=f"{method}, lr {rates[method]:g}" if axis is axes[0] else None,
@@ -268,6 +307,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="benchmarks/results/reasoning_benchmark.json")
     parser.add_argument("--from-json", help="print the table (and --plot) from an earlier --json, running nothing")
     parser.add_argument("--plot", help="draw the figure here (PNG)")
+    parser.add_argument("--timing", type=int, metavar="STEPS",
+                        help="measure each method's seconds per step at its chosen rate over STEPS steps (after the "
+                        "sweep, on an otherwise idle machine) into --json")
+    parser.add_argument("--time-one", nargs=3, metavar=("METHOD", "LR", "STEPS"), help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=3, metavar=("METHOD", "LR", "SEED"), help=argparse.SUPPRESS)
     parser.add_argument("--baselines-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -275,6 +318,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         method, rate, seed = args.one
         print("RESULT " + json.dumps(run_one(method, float(rate), int(seed), args)))
+        return
+    if args.time_one:
+        method, rate, steps = args.time_one
+        print("RESULT " + json.dumps(time_one(method, float(rate), int(steps), args)))
         return
     if args.baselines_only:
         print("RESULT " + json.dumps(baselines(args)))
@@ -312,6 +359,15 @@ def main(argv: list[str] | None = None) -> None:
             if method not in grids:
                 parser.error(f"--method-rates {entry}: {method!r} is not one of the methods run ({args.methods})")
             grids[method] = [float(rate) for rate in rates.split(",")]
+        if args.timing:
+            for method, rate in best_rates(results["runs"]).items():
+                if method in args.methods:
+                    results.setdefault("timing", {})[method] = measure("--time-one", method, str(rate),
+                                                                       str(args.timing))
+                    save()
+                    print(f"{method} lr {rate:g}: {results['timing'][method]['seconds_per_step']:.1f} s/step "
+                          f"(load {results['timing'][method]['load_average'][0]:.2f})", flush=True)
+            args.seeds = []  # timing only
         done = {(run["method"], run["learning_rate"], run["seed"]) for run in results["runs"]}
         for seed in args.seeds:  # every method and rate once per seed, in turn: a slow hour hits each alike
             for method, rates in grids.items():

@@ -86,3 +86,41 @@ def test_a_sweep_measures_the_untrained_student_once_and_that_is_each_run_s_firs
     given = run_method("opd", **inputs, **options, initial={**baseline, "accuracy": 0.125})["history"]
     assert given[0] == {"step": 0, **baseline, "accuracy": 0.125, "train_seconds": 0.0, "generated_tokens": 0}
     assert [entry["step"] for entry in given] == [0, 1] and given[1]["generated_tokens"] > 0
+
+
+def _reasoning_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "reasoning_benchmark.py"
+    spec = importlib.util.spec_from_file_location("reasoning_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its functions only: nothing runs at import
+    return module
+
+
+def test_the_reasoning_table_takes_seconds_from_the_timing_pass_and_errors_over_every_answer():
+    bench = _reasoning_benchmark()
+
+    def run(method, rate, seed, curve, seconds_per_step):
+        history = [{"step": 10 * i, "accuracy": a, "accuracy_greedy": a, "reverse_kl_exact": 1.0 - a,
+                    "train_seconds": 10 * i * seconds_per_step} for i, a in enumerate(curve)]
+        return {"method": method, "learning_rate": rate, "seed": seed, "history": history, "peak_rss_mib": 1.0,
+                "seconds_per_step": seconds_per_step, "teacher_generation_seconds": 0.0}
+
+    results = {"settings": {"eval_prompts": 100, "steps": 20, "batch_size": 8},
+               "baselines": {"student": {"accuracy": 0.2}, "teacher": {"accuracy": 0.6}},  # half the gap: 0.4
+               "runs": [run("opd", 1e-4, 0, [0.2, 0.3, 0.5], 40.0), run("opd", 1e-4, 1, [0.2, 0.5, 0.5], 60.0),
+                        run("opd", 3e-4, 0, [0.2, 0.2, 0.2], 40.0), run("sft", 1e-4, 0, [0.2, 0.3, 0.3], 9.0)],
+               # SFT timed at its chosen rate, OPD at a rate not chosen: OPD keeps its runs' own seconds
+               "timing": {"sft": {"learning_rate": 1e-4, "seconds_per_step": 3.0, "teacher_seconds_per_answer": 0.5},
+                          "opd": {"learning_rate": 3e-4, "seconds_per_step": 1.0, "teacher_seconds_per_answer": 0.0}}}
+    rows = bench.summary(results)
+    opd, sft = rows["opd"], rows["sft"]
+    assert opd["learning_rate"] == 1e-4 and opd["seeds"] == [0, 1]
+    assert opd["accuracy"] == pytest.approx(0.5) and opd["accuracy_range"] == (0.5, 0.5)
+    assert opd["accuracy_stderr"] == pytest.approx((0.5 * 0.5 / 200) ** 0.5)  # 100 prompts x 2 seeds
+    assert opd["steps_to_half_gap"] == 10  # the mean curve: 0.2, 0.4, 0.5
+    assert opd["seconds_per_step"] == pytest.approx(50.0)
+    assert sft["steps_to_half_gap"] is None
+    assert (sft["seconds_per_step"], sft["teacher_generation_seconds"]) == (3.0, 0.5 * 20 * 8)
