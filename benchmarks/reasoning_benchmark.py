@@ -68,7 +68,8 @@ def _inputs(args):
     return str(resolve_model(args.student)), str(resolve_model(args.teacher)), prompts, heldout
 
 
-def run_one(method: str, learning_rate: float, seed: int, args) -> dict:
+def _run(method: str, learning_rate: float, args, **options) -> dict:
+    """`run_method` on the sweep's task and settings, `options` over them."""
     from trl_opd.envs.reasoning import reasoning_gym_reward
     from trl_opd.tools.comparison import run_method
 
@@ -77,11 +78,15 @@ def run_one(method: str, learning_rate: float, seed: int, args) -> dict:
     # (tests/test_comparison.py: the same numbers): its curve's first point, not measured again
     initial = {k: v for k, v in json.loads(Path(args.json).read_text())["baselines"]["student"].items()
                if k != "seconds"}
-    run = run_method(method, student, teacher, prompts, heldout, steps=args.steps, batch_size=args.batch_size,
-                     learning_rate=learning_rate, eval_every=args.eval_every, eval_prompts=args.eval_prompts,
-                     seed=seed, max_completion_length=args.max_completion_length,
-                     grpo_generations=args.grpo_generations, accuracy_func=reasoning_gym_reward, lora_r=args.lora_r,
-                     greedy_accuracy=True, initial=initial)
+    settings = dict(steps=args.steps, batch_size=args.batch_size, learning_rate=learning_rate,
+                    eval_every=args.eval_every, eval_prompts=args.eval_prompts,
+                    max_completion_length=args.max_completion_length, grpo_generations=args.grpo_generations,
+                    accuracy_func=reasoning_gym_reward, lora_r=args.lora_r, initial=initial)
+    return run_method(method, student, teacher, prompts, heldout, **{**settings, **options})
+
+
+def run_one(method: str, learning_rate: float, seed: int, args) -> dict:
+    run = _run(method, learning_rate, args, seed=seed, greedy_accuracy=True)
     run.pop("log_history")  # the trainers' own logs: large, and the curve has what the table needs
     usage = resource.getrusage(resource.RUSAGE_SELF)
     # the run's CPU seconds (all its threads) and the machine's load averages at its end: a run that shared the
@@ -94,16 +99,7 @@ def run_one(method: str, learning_rate: float, seed: int, args) -> dict:
 def time_one(method: str, learning_rate: float, steps: int, args) -> dict:
     """`method`'s seconds per training step over `steps` steps at `learning_rate`, nothing evaluated between them
     (the untrained student's metrics stand in for the curve's first point), and SFT's teacher seconds per answer."""
-    from trl_opd.envs.reasoning import reasoning_gym_reward
-    from trl_opd.tools.comparison import run_method
-
-    student, teacher, prompts, heldout = _inputs(args)
-    initial = {k: v for k, v in json.loads(Path(args.json).read_text())["baselines"]["student"].items()
-               if k != "seconds"}
-    run = run_method(method, student, teacher, prompts, heldout, steps=steps, batch_size=args.batch_size,
-                     learning_rate=learning_rate, eval_every=steps + 1, eval_prompts=args.eval_prompts, seed=0,
-                     max_completion_length=args.max_completion_length, grpo_generations=args.grpo_generations,
-                     accuracy_func=reasoning_gym_reward, lora_r=args.lora_r, initial=initial)
+    run = _run(method, learning_rate, args, steps=steps, eval_every=steps + 1, seed=0)
     return {"learning_rate": learning_rate, "steps": steps, "seconds_per_step": run["seconds_per_step"],
             "teacher_seconds_per_answer": run["teacher_generation_seconds"] / (steps * args.batch_size),
             "load_average": os.getloadavg()}
@@ -151,11 +147,17 @@ def best_rates(runs: list[dict]) -> dict[str, float]:
     return {method: rate for method, (_, rate) in best.items()}
 
 
+def _timing(results: dict, method: str, rate: float) -> dict | None:
+    """`method`'s `--timing` pass, where one was measured at `rate`."""
+    timing = results.get("timing", {}).get(method)
+    return timing if timing is not None and timing["learning_rate"] == rate else None
+
+
 def _seconds(results: dict, method: str, group: list[dict]) -> tuple[float, float]:
     """`method`'s seconds per step and SFT's seconds of teacher answers for a run of the sweep's length: from its
     `--timing` pass where one was measured at the chosen rate, else the mean of the runs in `group`."""
-    timing = results.get("timing", {}).get(method)
-    if timing is not None and timing["learning_rate"] == group[0]["learning_rate"]:
+    timing = _timing(results, method, group[0]["learning_rate"])
+    if timing is not None:
         answers = results["settings"]["steps"] * results["settings"]["batch_size"]
         return timing["seconds_per_step"], timing["teacher_seconds_per_answer"] * answers
     return (sum(run["seconds_per_step"] for run in group) / len(group),
@@ -248,8 +250,8 @@ def plot(results: dict, path: Path, methods: list[str] | None = None) -> None:
         columns = [[run["history"][i]["accuracy"] for run in group] for i in range(length)]
         steps = [group[0]["history"][i]["step"] for i in range(length)]
         # SFT's clock starts with its teacher's answers, generated before its first step
-        per_step, generation = _seconds(results, method, group)
-        if method in results.get("timing", {}):
+        if _timing(results, method, rates[method]) is not None:
+            per_step, generation = _seconds(results, method, group)
             seconds = [generation + step * per_step for step in steps]
         else:
             seconds = [sum(run["history"][i]["train_seconds"] + run["teacher_generation_seconds"] for run in group)
