@@ -168,7 +168,7 @@ def tiny_other_teacher(tmp_path_factory):
 # `slow` by hand
 SLOW_FIXTURES = {"teacher_server", "hidden_server", "teacher_server_process", "hidden_server_process", "env_server",
                  "tiny_task", "tiny_agent"}
-SLOW_MODULES = {"test_colocate", "test_distributed", "test_env_server", "test_golden",
+SLOW_MODULES = {"test_colocate", "test_distributed", "test_env_server", "test_fsdp2", "test_golden",
                 "test_persistence", "test_real_models"}
 
 

@@ -425,12 +425,15 @@ def test_soft_capped_models_are_distilled_on_their_own_distributions(tokenizer, 
     torch.testing.assert_close(old[valid], grpo[valid], atol=1e-4, rtol=1e-4)  # soft cap included
 
 
-@pytest.mark.parametrize("estimator", ["sampled", "full"])
-def test_fsdp_is_refused_before_any_weights_load_naming_zero3(tmp_path, prompts, make_config, estimator):
+@pytest.mark.parametrize(("fsdp_config", "refusal"), [
+    ({"version": 1}, r"FSDP version 1 is not supported: .*fsdp_version: 2 .*fsdp2.yaml"),
+    ({"version": 2, "cpu_offload": True}, r"FSDP2 with CPU offload of the parameters is not supported"),
+])
+def test_fsdp1_and_offload_are_refused_before_any_weights_load(tmp_path, prompts, make_config, fsdp_config, refusal):
     # a student path that does not exist: the refusal must come first, before anything loads
-    args = make_config(opd_estimator=estimator)
-    args.fsdp = ["full_shard"]
-    with pytest.raises(ValueError, match=r"FSDP is not supported: .* ZeRO-3 .*zero3.yaml"):
+    args = make_config(opd_estimator="sampled")
+    args.fsdp, args.fsdp_config, args.fsdp_plugin_args = ["full_shard"], fsdp_config, None
+    with pytest.raises(ValueError, match=refusal):
         OPDTrainer(model=str(tmp_path / "missing"), teacher_model=str(tmp_path / "missing-teacher"),
                    train_dataset=prompts, args=args)
 

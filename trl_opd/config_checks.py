@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from typing import TYPE_CHECKING
 
@@ -362,16 +363,47 @@ def check_run_options(args: OPDConfig, *, teacher_model, rewards: bool, peft: bo
     check_teacher_loading(teacher_model, args)
     if args.student_as_teacher:
         check_self_teacher(args, has_rewards=rewards, peft=peft)
-    if args.fsdp or args.distributed_state.distributed_type == "FSDP":
-        raise ValueError(
-            "FSDP is not supported: the dense estimators and sharded teachers are built and tested on DeepSpeed "
-            "ZeRO-3, which shards the student and the teacher across processes and runs every estimator and teacher "
-            "source. Launch with a ZeRO-3 config (recipes/accelerate/zero3.yaml), or use DDP or one process."
-        )
+    check_fsdp(args)
     if rewards and args.num_generations < 2:
         raise ValueError(
             "Reward functions need groups of completions per prompt (GRPO normalises rewards within a group): "
             f"set num_generations >= 2 (got {args.num_generations})."
+        )
+
+
+def check_fsdp(args) -> None:
+    """FSDP2 (`fully_shard`) is this package's second sharding engine beside ZeRO-3; what it does not run is refused
+    by name. The FSDP settings come from the TrainingArguments (`fsdp`, `fsdp_config`) or from an accelerate launch
+    (its FSDP_* environment)."""
+    if not (args.fsdp or args.distributed_state.distributed_type == "FSDP"):
+        return
+    if args.fsdp_plugin_args is not None:  # the TrainingArguments' own FSDP settings
+        version, offload = args.fsdp_plugin_args["fsdp_version"], args.fsdp_plugin_args.get("cpu_offload", False)
+    elif args.fsdp:
+        version, offload = int(args.fsdp_config.get("version", 2)), bool(args.fsdp_config.get("cpu_offload"))
+    else:  # accelerate launch: its plugin's defaults
+        version = int(os.environ.get("FSDP_VERSION", "1"))
+        offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+    if version != 2:
+        raise ValueError(
+            f"FSDP version {version} is not supported: OPDTrainer shards with FSDP2 (`fully_shard`), whose DTensor "
+            "parameters its teacher heads and checkpoints read. Set fsdp_version: 2 in the accelerate config "
+            "(recipes/accelerate/fsdp2.yaml), or use ZeRO-3 (recipes/accelerate/zero3.yaml)."
+        )
+    state = args.distributed_state
+    if state.device.type == "cpu" and state.distributed_type not in ("FSDP", "NO"):
+        # accelerate engages FSDP only on GPU-like devices: on CPU processes these settings would train plain data
+        # parallel (`trl-opd` sets the FSDP state there for an accelerate launch with an FSDP config)
+        raise ValueError(
+            f"fsdp is set, but these {state.distributed_type} processes would not shard: on CPU "
+            "processes FSDP2 comes from an accelerate launch, accelerate launch --config_file "
+            "recipes/accelerate/fsdp2_cpu.yaml -m trl_opd ..."
+        )
+    if offload:
+        raise ValueError(
+            "FSDP2 with CPU offload of the parameters is not supported: the teacher's heads and the student's "
+            "gathered weights are built and tested with parameters on the device. Set fsdp_offload_params: false, or "
+            "offload with ZeRO-3 (offload_param_device: cpu)."
         )
 
 

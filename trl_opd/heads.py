@@ -6,17 +6,21 @@ this package that forms logits from hidden states goes through an `OutputHead`, 
 own forward gives, divided by a temperature: `z = softcap(scale * (h @ W.T + b)) / temperature`.
 
 Under DeepSpeed ZeRO-3 a head's weights are partitioned (each rank holds a slice, the tensor itself is empty) except
-inside a forward of their model. Every function here gathers them where it projects (`OutputHead.gathered`, a no-op
-when they are whole), in the forward and again in a hand-written backward, as TRL's chunked kernels do. A loss that
-trains a head must still run inside its model's forward (see `dense.py`): there ZeRO-3 gathers the head on access and
-keeps it whole through the backward, so that its gradient is accumulated and reduced.
+inside a forward of their model; under FSDP2 they are `DTensor` shards outside it. Every function here gathers them
+where it projects (`OutputHead.gathered`, a no-op when they are whole), in the forward and again in a hand-written
+backward, as TRL's chunked kernels do. A loss that trains a head must still run inside its model's forward (see
+`dense.py`): there ZeRO-3 gathers the head on access, and FSDP2 has unsharded it, whole through the backward, so that
+its gradient is accumulated and reduced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import DTensor
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 # Logits per tile, by where the head is: on a CPU 2^23 float32 values (32 MiB, 55 positions of a 151k vocabulary,
@@ -59,9 +63,17 @@ class OutputHead:
         """Columns of the head: the width of the hidden states it projects, also while ZeRO-3 partitions it."""
         return getattr(self.weight, "ds_shape", self.weight.shape)[-1]
 
-    def gathered(self):
-        """Context in which `weight` and `bias` are whole: a no-op unless ZeRO-3 partitions them outside a forward."""
-        return maybe_gather_lm_head_ctx(self.weight, self.bias)
+    @contextmanager
+    def gathered(self) -> Iterator[OutputHead]:
+        """This head with `weight` and `bias` whole, for the context: ZeRO-3's partitioned parameters are gathered in
+        place, FSDP2's `DTensor` shards all-gathered into a copy (no gradient reaches the shards through it: a head
+        that is trained is read inside its model's forward), and whole ones are left as they are."""
+        if isinstance(self.weight, DTensor):
+            yield replace(self, weight=self.weight.detach().full_tensor(),
+                          bias=None if self.bias is None else self.bias.detach().full_tensor())
+            return
+        with maybe_gather_lm_head_ctx(self.weight, self.bias):
+            yield self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Transformed float32 logits (N, V) of hidden states (N, H), read in the head's dtype (a float32 head beside
@@ -110,7 +122,7 @@ def head_topk_logps(
     without gradient. Positions are projected onto the vocabulary a tile at a time. With `vocab_size`, the tokens are
     chosen among the first `vocab_size` ids (those a smaller student can write), log-probs still over all rows."""
     ids, logps = [], []
-    with head.gathered():
+    with head.gathered() as head:
         for h in hidden.split(head.tile_rows(tile_elements)):
             values, indices = head.logits(h).log_softmax(-1)[:, :vocab_size].topk(k, dim=-1)
             ids.append(indices)
@@ -135,7 +147,7 @@ def head_set_logps(
         queries.setdefault(position, []).append(q)
     out = hidden.new_zeros(len(positions), dtype=torch.float32)
     rows = head.tile_rows(tile_elements)
-    with head.gathered():
+    with head.gathered() as head:
         for start in range(0, len(asked), rows):
             tile = asked[start : start + rows]
             logps = head.logits(hidden[torch.tensor(tile, device=hidden.device)]).log_softmax(-1)
@@ -151,6 +163,10 @@ def head_token_logps(
     """Log-probs (N, k) of the token `ids` (N, k) at each position, from final hidden states (N, H), differentiable in
     the hidden states and the head. Forward and backward project a tile of positions onto the vocabulary at a time
     (the backward recomputes the tile's logits), so no (N, V) tensor ever exists."""
+    if isinstance(head.weight, DTensor) and head.weight.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "A trained LM head held as FSDP2 shards: its gradient would not reach them. Read the head inside its "
+            "model's forward, where FSDP2 has unsharded it (see dense.py).")
     return _TokenLogProbs.apply(hidden, head.weight, head.bias, ids, head, head.tile_rows(tile_elements))
 
 
@@ -165,7 +181,7 @@ def head_token_stats(
     entropy = hidden.new_empty(ids.shape, dtype=torch.float32)
     is_top1 = torch.empty(ids.shape, dtype=torch.bool, device=hidden.device)
     rows = head.tile_rows(tile_elements)
-    with head.gathered():
+    with head.gathered() as head:
         for start in range(0, hidden.size(0), rows):
             tile = slice(start, start + rows)
             tile_logps = head.logits(hidden[tile]).log_softmax(-1)
@@ -182,10 +198,10 @@ class _TokenLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, head, rows):
         logps = hidden.new_empty(ids.shape, dtype=torch.float32)
         normalizers = hidden.new_empty(ids.size(0), dtype=torch.float32)
-        with head.gathered():
+        with head.gathered() as whole:
             for start in range(0, hidden.size(0), rows):
                 tile = slice(start, start + rows)
-                logits = head.logits(hidden[tile])
+                logits = whole.logits(hidden[tile])
                 normalizers[tile] = logits.logsumexp(-1)
                 logps[tile] = logits.gather(-1, ids[tile]) - normalizers[tile, None]
         ctx.save_for_backward(hidden, weight, bias, ids, normalizers)
@@ -195,9 +211,10 @@ class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps):
         hidden, weight, bias, ids, normalizers = ctx.saved_tensors
-        head = ctx.head
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        with head.gathered():  # ZeRO-3 partitioned the weights again after the forward
+        # ZeRO-3 partitioned the weights again after the forward (a frozen FSDP2 head: whole in a copy)
+        with ctx.head.gathered() as head:
+            weight, bias = head.weight, head.bias
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
             wants_bias = bias is not None and ctx.needs_input_grad[2]
             grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants_bias else None
@@ -243,7 +260,7 @@ def head_mass_beyond(
     """Probability (N,) the head puts on ids >= `vocab_size` at each position, from final hidden states (N, H) and the
     log-probs `logps` (N,) of tokens `ids` (N,) under the whole head: only the extra rows are projected, and the
     normalizer comes from the known token, `log Z = z[id] - log p(id)`."""
-    with head.gathered():
+    with head.gathered() as head:
         extra = replace(head, weight=head.weight[vocab_size:],
                         bias=None if head.bias is None else head.bias[vocab_size:])
         raw_token = (hidden.float() * head.weight[ids].float()).sum(-1)

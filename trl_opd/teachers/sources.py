@@ -80,5 +80,6 @@ def build_scorer(trainer, teachers: dict) -> tuple[TeacherScorer, dict[str, torc
         }
     if source != "routed":
         return scorers["teacher"], models
-    sharded = tuple(models) if trainer.is_deepspeed_enabled else ()  # ZeRO-3 forwards are collectives
+    # ZeRO-3's and FSDP2's forwards are collectives: every rank runs each sharded teacher as often
+    sharded = tuple(models) if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled else ()
     return RoutedTeacher(scorers, collective=sharded, max_over_ranks=trainer._max_over_ranks), models

@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from accelerate.utils import is_peft_model
+from torch.distributed.tensor import DTensor, Shard
 from trl.trainer.utils import use_adapter
 
 from ..heads import OutputHead
@@ -135,12 +136,35 @@ def _gathered(params, *, modify: bool, zero3: bool) -> AbstractContextManager:
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `tensor`, to read or write in place: an FSDP2 parameter's shard, else all of it."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
+
+
+def _held_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The part of `value` (whole, or an FSDP2 DTensor) that this process holds of `like`: under FSDP2 a student and
+    its teacher copy are sharded alike (each parameter in dim-0 chunks over the processes) once both are placed, and
+    a parameter not yet placed (the student before the Trainer prepares it) is whole."""
+    if isinstance(value, DTensor):
+        if isinstance(like, DTensor) and (value.device_mesh, value.placements) == (like.device_mesh, like.placements):
+            return value.to_local()
+        value = value.full_tensor()  # a collective
+    if not isinstance(like, DTensor):
+        return value
+    if like.placements != (Shard(0),):
+        raise ValueError(f"A teacher copy sharded as {like.placements}: FSDP2's dim-0 shards are the supported kind.")
+    chunks = value.chunk(like.device_mesh.size(), dim=0)  # DTensor's own split
+    rank = like.device_mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else value[:0]
+
+
 @torch.no_grad()
 def copy_parameters(pairs, *, zero3: bool = False) -> None:
-    """teacher <- student for each (teacher, student) pair of `ema_pairs`, one parameter gathered at a time."""
+    """teacher <- student for each (teacher, student) pair of `ema_pairs`, one parameter gathered at a time (under
+    FSDP2, each process writes its own shard)."""
     for teacher, student in pairs.values():
         with _gathered([student], modify=False, zero3=zero3), _gathered([teacher], modify=True, zero3=zero3):
-            teacher.copy_(student)
+            _local(teacher).copy_(_held_like(student, teacher))
 
 
 def self_teacher(kind: str, student, model, ref_model, **scoring) -> StudentTeacher:
@@ -163,7 +187,9 @@ class TeacherAverage:
     Memory: a float32 teacher on one process is its own average (nothing more is held); any other teacher holds 4
     bytes per averaged parameter beside it, divided among the processes under ZeRO-3, where each process keeps the
     average of its 1/N slice of every parameter (gathered one parameter at a time to update, and its rounded slices
-    gathered back into the teacher). Each call takes the (teacher, student) pairs of `ema_pairs` as they are now."""
+    gathered back into the teacher), and under FSDP2, where each process averages its own shard. Each call takes the
+    (teacher, student) pairs of `ema_pairs` as they are now (under FSDP2 the Trainer places the student's
+    parameters, an adapter's included, after this average began)."""
 
     def __init__(self, pairs: dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter]], *, zero3: bool = False):
         self.zero3 = zero3
@@ -176,10 +202,10 @@ class TeacherAverage:
                 self.average[name] = None if in_place else self._own(teacher).float().clone()
 
     def _own(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This process's slice of a whole tensor: all of it on one process, else a 1/N slice of it flattened (the
-        last one padded with zeros)."""
+        """This process's slice of a whole tensor under ZeRO-3, a 1/N slice of it flattened (the last one padded
+        with zeros); else what this process holds of it (all of it, or its FSDP2 shard)."""
         if self.world == 1:
-            return tensor.data
+            return _local(tensor)
         size = -(-tensor.numel() // self.world)
         flat = torch.nn.functional.pad(tensor.data.flatten(), (0, size * self.world - tensor.numel()))
         return flat[self.rank * size : (self.rank + 1) * size]
@@ -195,6 +221,14 @@ class TeacherAverage:
     def _check(self, pairs) -> None:
         if pairs.keys() != self.average.keys():
             raise ValueError("The 'ema' teacher's parameters changed since its average was started.")
+        for name, (teacher, _) in pairs.items():  # a teacher sharded by FSDP2 since: its average becomes its shard's
+            average = self.average[name]
+            if self.world == 1 and average is not None and average.shape != _local(teacher).shape:
+                self.average[name] = _held_like(average, teacher).clone()
+
+    def _student_part(self, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        """What of `student` this process averages into its part of `teacher`."""
+        return self._own(student) if self.world > 1 else _held_like(student, teacher)
 
     @torch.no_grad()
     def update(self, pairs, rate: float) -> None:
@@ -203,12 +237,12 @@ class TeacherAverage:
         for name, (teacher, student) in pairs.items():
             with (_gathered([student], modify=False, zero3=self.zero3),
                   _gathered([teacher], modify=True, zero3=self.zero3)):
-                average = self.average[name]
+                average, toward = self.average[name], self._student_part(student, teacher).to(torch.float32)
                 if average is None:
-                    teacher.lerp_(student.to(torch.float32), rate)
+                    _local(teacher).lerp_(toward, rate)
                     continue
-                average.lerp_(self._own(student).to(torch.float32), rate)
-                teacher.copy_(self._whole(average, teacher.shape, teacher.dtype))
+                average.lerp_(toward, rate)
+                _local(teacher).copy_(self._whole(average, teacher.shape, teacher.dtype))
 
     @torch.no_grad()
     def state_dict(self, pairs) -> dict[str, torch.Tensor]:
@@ -217,6 +251,12 @@ class TeacherAverage:
         state = {}
         for name, (teacher, _) in pairs.items():
             average = self.average[name]
+            if isinstance(teacher, DTensor):  # each process's shard of the average, whole (a collective)
+                shard = _local(teacher) if average is None else average
+                whole = DTensor.from_local(shard, teacher.device_mesh, teacher.placements, shape=teacher.shape,
+                                           stride=teacher.stride()).full_tensor()
+                state[name] = whole.float().cpu().clone()
+                continue
             if average is None:
                 state[name] = teacher.detach().cpu().clone()
                 continue
@@ -231,6 +271,7 @@ class TeacherAverage:
         self._check(pairs)
         for name, (teacher, _) in pairs.items():
             with _gathered([teacher], modify=True, zero3=self.zero3):
-                teacher.copy_(saved[name].to(teacher.device, teacher.dtype))
+                _local(teacher).copy_(_held_like(saved[name], teacher).to(teacher.device, teacher.dtype))
             if self.average[name] is not None:
-                self.average[name].copy_(self._own(saved[name].to(self.average[name].device, torch.float32)))
+                value = saved[name].to(self.average[name].device, torch.float32)
+                self.average[name].copy_(self._own(value) if self.world > 1 else _held_like(value, teacher))

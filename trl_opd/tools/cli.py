@@ -323,6 +323,9 @@ def _cpu_process_group() -> bool:
     from accelerate import PartialState
     from accelerate.utils import DistributedType
 
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        _fsdp_state_on_cpu()
+        return True
     if PartialState(backend="gloo").distributed_type == DistributedType.NO:
         # e.g. torchrun without accelerate's DeepSpeed settings: the Trainer would not wrap the model for data
         # parallelism, and each process would train its own copy of the student, never synchronised
@@ -331,6 +334,20 @@ def _cpu_process_group() -> bool:
             "would train its own copy of the student. Launch with accelerate and a DeepSpeed config: accelerate "
             "launch --config_file recipes/accelerate/zero3_cpu.yaml -m trl_opd --config ...")
     return True
+
+
+def _fsdp_state_on_cpu() -> None:
+    """An FSDP launch on CPU processes: accelerate sets up its FSDP state only for GPU-like devices and would train
+    plain data parallel here, while reporting FSDP in the launch config. Set up gloo across the processes and the
+    state the launch names (its FSDP_* settings), for the Trainer's accelerator to take: `prepare` then shards the
+    student with accelerate's own `fully_shard`, as on GPUs."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the launch's environment (its version is checked with the rest)
+    state = Accelerator(cpu=True).state  # MULTI_CPU: gloo across the launch's processes
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.fsdp_plugin = plugin
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def config_path_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="trl-opd config-path", description="Print the path of an accelerate config shipped with trl_opd, for "
         "`accelerate launch --config_file $(trl-opd config-path NAME) -m trl_opd --config RECIPE`.")
-    parser.add_argument("name", nargs="?", help="cpu, single_gpu, zero3, zero3_2nodes or zero3_cpu")
+    parser.add_argument("name", nargs="?", help="a shipped config, e.g. cpu, single_gpu, zero3 or fsdp2 (--list: all)")
     parser.add_argument("--list", action="store_true", help="list the shipped configs, each with its purpose")
     args = parser.parse_args(argv)
     if args.list or args.name is None:

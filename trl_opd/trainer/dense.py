@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..heads import OutputHead
 from ..loss import dense_divergence, dense_topk_divergence, divergence_name
@@ -49,28 +50,40 @@ class DenseTerm:
         self.teacher, self.beta, self.metrics = teacher, beta, metrics
         self._is_student_parameter = is_student_parameter
         self._held: ExitStack | None = None  # open through a training step's loss and backward (`heads_held`)
+        self._whole_heads: dict[int, OutputHead] = {}  # id(sharded weight) -> its head made whole, for the step
 
     @contextmanager
     def heads_held(self) -> Iterator[None]:
-        """One training step, its loss and backward: a ZeRO-3 teacher head, gathered on first use, stays whole."""
+        """One training step, its loss and backward: a sharded teacher head, gathered on first use, stays whole."""
         with ExitStack() as self._held:
+            self._whole_heads = {}
             try:
                 yield
             finally:
-                self._held = None
+                self._held, self._whole_heads = None, {}
 
     def _whole_teacher_heads(self) -> tuple[OutputHead, ...]:
         """The teacher's head for the full term (routed teachers: each one's, in `TeacherScores.hidden_route`'s
-        order), gathered once per training step under ZeRO-3 and held whole until its backward is done (TRL's
-        divergence kernel would gather it again for each call of at most 4096 positions, forward and backward: some
-        120 GB of all-gathers a step for an 8B teacher at the flagship's batch). A head that is the student's own
-        parameter (a self-teacher's) is left to the kernel: the student's forward and its gradient reduction manage
-        it."""
+        order), gathered once per training step when sharded (ZeRO-3 partitions, FSDP2 shards) and held whole until
+        its backward is done (TRL's divergence kernel would gather a ZeRO-3 head again for each call of at most 4096
+        positions, forward and backward: some 120 GB of all-gathers a step for an 8B teacher at the flagship's batch).
+        A head that is the student's own parameter (a self-teacher's) is left to the student's forward, which holds it
+        whole, and its gradient reduction."""
         heads = getattr(self.teacher, "output_heads", None) or (self.teacher.output_head,)
-        for head in heads:
-            if self._held is not None and hasattr(head.weight, "ds_id") and not self._is_student_parameter(head.weight):
-                self._held.enter_context(head.gathered())  # a no-op once gathered: one gather per step
-        return heads
+        return tuple(self._whole(head) for head in heads)
+
+    def _whole(self, head: OutputHead) -> OutputHead:
+        sharded = hasattr(head.weight, "ds_id") or isinstance(head.weight, DTensor)
+        if not sharded or self._is_student_parameter(head.weight):
+            return head
+        if self._held is None:  # outside a training step: ZeRO-3's kernel gathers on each call, FSDP2's shards here
+            if not isinstance(head.weight, DTensor):
+                return head
+            with head.gathered() as whole:
+                return whole
+        if id(head.weight) not in self._whole_heads:  # one gather per step
+            self._whole_heads[id(head.weight)] = self._held.enter_context(head.gathered())
+        return self._whole_heads[id(head.weight)]
 
     def keep(self, output, scores: TeacherScores, mode: str) -> None:
         """The teacher's side of the term, from its scores, in the generation batch."""

@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoTokenizer, PreTrainedModel
 from trl import GRPOTrainer
-from trl.models import prepare_deepspeed, prepare_fsdp
+from trl.models import prepare_deepspeed
 from trl.models.utils import _ForwardRedirection, disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id, use_adapter
 
@@ -222,11 +224,13 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         return int(counts.max())
 
     def _prepare_teacher(self, teacher: torch.nn.Module) -> torch.nn.Module:
-        """Place the teacher the way GRPO places its reference model: sharded under ZeRO-3/FSDP, else on device."""
+        """Place the teacher the way GRPO places its reference model: sharded under ZeRO-3 or FSDP2, else on device.
+        Under FSDP2 each decoder layer is a unit of its own, as accelerate shards the student (GRPO's `prepare_fsdp`
+        makes the whole model one unit, all-gathered whole for each scoring forward)."""
         if self.is_deepspeed_enabled:
             return prepare_deepspeed(teacher, self.accelerator)
         if self.is_fsdp_enabled:
-            return prepare_fsdp(teacher, self.accelerator)
+            return fsdp2_prepare_model(self.accelerator, teacher)
         return self.accelerator.prepare_model(teacher, evaluation_mode=True)
 
     def _zero3(self) -> bool:
@@ -239,7 +243,12 @@ class OPDTrainer(HubMixin, GRPOTrainer):
         return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
     def _student_head(self, student) -> OutputHead:
-        """The student's LM head at the sampling temperature: the policy that sampled, as GRPO's log-probs are."""
+        """The student's LM head at the sampling temperature: the policy that sampled, as GRPO's log-probs are.
+        Under FSDP2 the head is a unit of its own (with the final norm), unsharded by its own forward; the loss reads
+        it without that forward, so it is unsharded here, and its gradient reduced with the step's backward."""
+        module = student.get_output_embeddings()
+        if isinstance(module, FSDPModule):
+            module.unshard()  # a no-op while unsharded
         return OutputHead.of(student, temperature=self.temperature)
 
     def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -289,8 +298,17 @@ class OPDTrainer(HubMixin, GRPOTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """The student, and with the 'ema' kind its teacher's weights beside it (before the trainer state, which a
-        checkpoint writes last)."""
+        checkpoint writes last). Under FSDP2 with sharded checkpoints the Trainer writes no weights here (a
+        checkpoint's shards come from its `save_state`): the student's whole weights are gathered and written, so that
+        the final model, and each checkpoint's, loads in one process as under ZeRO-3."""
         super().save_model(output_dir, _internal_call)
+        if self.is_fsdp_enabled and "FULL_STATE_DICT" not in str(self.accelerator.state.fsdp_plugin.state_dict_type):
+            state_dict = self.accelerator.get_state_dict(self.model)  # a collective
+            # gathered into tensors of their own, tied weights no longer share storage, by which `save_pretrained`
+            # finds them: drop each tied copy by the model's own declaration, as a whole model saves
+            for tied in getattr(self.accelerator.unwrap_model(self.model), "all_tied_weights_keys", {}):
+                state_dict.pop(tied, None)
+            self._save(output_dir, state_dict=state_dict)
         if self.teacher_ema is not None:
             self.teacher_ema.save(Path(output_dir or self.args.output_dir),
                                   is_main_process=self.accelerator.is_main_process)
