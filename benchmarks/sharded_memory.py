@@ -1,18 +1,20 @@
-"""Memory per rank of one training step under DeepSpeed ZeRO-3 (2 CPU processes) against one process, same batch.
+"""Memory per rank of one training step under DeepSpeed ZeRO-3 and under FSDP2 (2 CPU processes each) against one
+process, same batch.
 
 A random student (hidden 128) and teacher (hidden 192), 2 layers each, with a 65,536-token vocabulary, so that the LM
 heads (8.4M and 12.6M parameters) dominate, as on real models; full fine-tuning, 16 completions of 32 tokens per
-step (16 x 1 or 8 x 2 processes), `zero3_cpu.json` (every tensor partitioned). For each estimator, on step 2 (after
+step (16 x 1 or 8 x 2 processes), `zero3_cpu.json` (every tensor partitioned) and `fsdp2_cpu.yaml` (one unit per
+decoder layer, the embeddings and the head with the final norm units of their own). For each estimator, on step 2 (after
 the optimizer's state exists) each rank reports:
 - resident: the tensor storage alive when the step starts (weights, gradients, optimizer state, DeepSpeed's buffers),
-  each storage counted once;
+  each storage counted once (an FSDP2 parameter by its local shard);
 - loss peak: the largest tensor memory allocated on top of that by the loss forward and backward (the student's
   forward, the dense term, the backward; under ZeRO-3 the gathers of every layer and head), by
   `trl_opd.tools.testing.TensorMemoryMeter`, up to the optimizer's update;
 - step peak: the same over the whole step (generation, teacher scoring, loss, backward and update).
 Prints the markdown table of docs/scale-and-hub.md.
 
-    .venv/bin/python benchmarks/zero3_memory.py
+    .venv/bin/python benchmarks/sharded_memory.py
 """
 
 from __future__ import annotations
@@ -50,8 +52,13 @@ def resident_bytes() -> int:
     seen = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            if type(obj).__name__ == "DTensor":  # a wrapper: its local shard is counted as a tensor of its own
+                continue
+            try:
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # FSDP2's unsharded parameter between uses: its storage freed (resized to 0)
+                continue
     return sum(seen.values())
 
 
@@ -117,7 +124,7 @@ def worker(argv: list[str]) -> None:
     OPDTrainer.train = train
     wrap(OPDTrainer, "compute_loss", before=lambda: callbacks[0].loss_starts())
     wrap(OPDTrainer, "training_step", after=lambda: callbacks[0].update_starts())
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
         from deepspeed import DeepSpeedEngine
 
         wrap(DeepSpeedEngine, "step", before=lambda: callbacks[0].update_starts())
@@ -126,7 +133,7 @@ def worker(argv: list[str]) -> None:
     cli.train(*recipe.make_parser().parse_args_and_config(argv))
 
 
-def run(pair: Path, estimator: str, processes: int, output_dir: Path) -> list[dict]:
+def run(pair: Path, estimator: str, processes: int, output_dir: Path, engine: str = "zero3") -> list[dict]:
     args = [
         "--model_name_or_path", str(pair / "student"), "--teacher_model_name_or_path", str(pair / "teacher"),
         "--dataset_name", str(pair / "train.jsonl"), "--output_dir", str(output_dir), "--opd_estimator", estimator,
@@ -138,12 +145,15 @@ def run(pair: Path, estimator: str, processes: int, output_dir: Path) -> list[di
     if processes == 1:
         command = [sys.executable, __file__, "--worker", *args]
     else:
+        from trl_opd.tools.testing import free_port
+
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(ROOT / "recipes" / "accelerate" / "zero3_cpu.yaml"), "--num_processes", str(processes),
+                   str(ROOT / "recipes" / "accelerate" / f"{engine}_cpu.yaml"), "--num_processes", str(processes),
+                   "--main_process_port", str(free_port()),
                    __file__, "--worker", *args]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     if result.returncode != 0:
-        raise RuntimeError(f"{estimator} x{processes} failed:\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"{estimator} x{processes} {engine} failed:\n{result.stderr[-4000:]}")
     return [json.loads((output_dir / f"memory-rank{rank}.json").read_text()) for rank in range(processes)]
 
 
@@ -157,20 +167,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         pair = Path(tmp) / "pair"
         build_pair(pair)
-        print("| estimator | 1 process: resident + loss peak (step peak) | ZeRO-3, per rank of 2: resident + loss "
-              "peak (step peak) | per rank / 1 process, resident + loss peak |")
-        print("|---|---:|---:|---:|")
+        print("| estimator | 1 process: resident + loss peak (step peak) | ZeRO-3, per rank of 2 | FSDP2, per rank "
+              "of 2 | per rank / 1 process, resident + loss peak: ZeRO-3, FSDP2 |")
+        print("|---|---:|---:|---:|---:|")
         for estimator in ESTIMATORS:
             (single,) = run(pair, estimator, 1, Path(tmp) / f"{estimator}-1")
-            ranks = run(pair, estimator, 2, Path(tmp) / f"{estimator}-2")
-            worst = max(ranks, key=lambda r: r["resident"] + r["loss"])
+            zero3 = max(run(pair, estimator, 2, Path(tmp) / f"{estimator}-2"), key=lambda r: r["resident"] + r["loss"])
+            fsdp2 = max(run(pair, estimator, 2, Path(tmp) / f"{estimator}-fsdp2", engine="fsdp2"),
+                        key=lambda r: r["resident"] + r["loss"])
 
             def cell(r):
                 return (f"{r['resident'] / mib:.0f} + {r['loss'] / mib:.0f} = {(r['resident'] + r['loss']) / mib:.0f} "
                         f"MiB ({r['step'] / mib:.0f})")
 
-            ratio = (worst["resident"] + worst["loss"]) / (single["resident"] + single["loss"])
-            print(f"| {estimator} | {cell(single)} | {cell(worst)} | {ratio:.2f} |", flush=True)
+            def ratio(r, single=single):
+                return (r["resident"] + r["loss"]) / (single["resident"] + single["loss"])
+
+            print(f"| {estimator} | {cell(single)} | {cell(zero3)} | {cell(fsdp2)} | {ratio(zero3):.2f}, "
+                  f"{ratio(fsdp2):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

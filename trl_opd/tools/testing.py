@@ -66,15 +66,25 @@ class TensorMemoryMeter:
         import torch
         from torch.utils._pytree import tree_flatten
 
+        def storage_of(tensor):
+            """The tensor's storage and its address, or None for a storage freed in place (FSDP2 frees an unsharded
+            parameter's between its uses) or none at all (a wrapper such as a DTensor)."""
+            try:
+                storage = tensor.untyped_storage()
+                return storage, storage.data_ptr()
+            except RuntimeError:
+                return None
+
         def storages(tree):
-            return {t.untyped_storage().data_ptr() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+            return {found[1] for t in tree_flatten(tree)[0]
+                    if isinstance(t, torch.Tensor) and (found := storage_of(t)) is not None}
 
         existing = storages(inputs)  # an output on an input's storage is a view or an in-place write
         for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, torch.Tensor) or (found := storage_of(tensor)) is None:
                 continue
-            storage = tensor.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
+            storage, key = found
+            size = storage.nbytes()
             if size == 0 or key in self._live or key in existing:
                 continue
             self._live[key] = size
