@@ -438,6 +438,15 @@ def test_fsdp1_and_offload_are_refused_before_any_weights_load(tmp_path, prompts
                    train_dataset=prompts, args=args)
 
 
+def test_an_fsdp1_launch_is_refused_before_any_weights_load(tmp_path, prompts, make_config, monkeypatch):
+    # what `accelerate launch` with an FSDP config of fsdp_version 1 sets, on GPUs as on CPUs
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match=r"FSDP version 1 is not supported"):
+        OPDTrainer(model=str(tmp_path / "missing"), teacher_model=str(tmp_path / "missing-teacher"),
+                   train_dataset=prompts, args=make_config(opd_estimator="sampled"))
+
+
 def test_a_teacher_with_extra_vocabulary_rows_is_compared_over_the_students_ids(tiny, tokenizer, caplog):
     """A larger teacher vocabulary: top-k ids stay writable by the student, 'full' renormalises the teacher over the
     student's ids, and real probability on the extra rows is reported (untrained padding rows carry none)."""

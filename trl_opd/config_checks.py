@@ -375,7 +375,9 @@ def check_fsdp(args) -> None:
     """FSDP2 (`fully_shard`) is this package's second sharding engine beside ZeRO-3; what it does not run is refused
     by name. The FSDP settings come from the TrainingArguments (`fsdp`, `fsdp_config`) or from an accelerate launch
     (its FSDP_* environment)."""
-    if not (args.fsdp or args.distributed_state.distributed_type == "FSDP"):
+    # an accelerate launch on GPUs says FSDP in its environment (the state it builds later), on CPU in the state
+    launched = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if not (args.fsdp or launched or args.distributed_state.distributed_type == "FSDP"):
         return
     if args.fsdp_plugin_args is not None:  # the TrainingArguments' own FSDP settings
         version, offload = args.fsdp_plugin_args["fsdp_version"], args.fsdp_plugin_args.get("cpu_offload", False)
